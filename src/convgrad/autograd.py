@@ -1,0 +1,195 @@
+"""Convolutions as torch.autograd.Functions whose backward is computed by a chosen backend.
+
+The forward is PyTorch's native convolution. The backward calls the backend's
+explicit formulas, which are built from differentiable ops, so double and higher
+backward passes come from autograd (as with JAX's transpose rules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from convgrad._ops import bias_grad
+from convgrad.backends import get_backend
+from convgrad.backends.native import forward as native_forward
+from convgrad.functional import _check_tensors
+from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
+
+__all__ = [
+    "ConvFunction", "conv", "conv_transpose", "conv1d", "conv2d", "conv3d",
+    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "no_weight_gradients",
+]
+
+_weight_gradients_disabled = 0
+
+
+@contextlib.contextmanager
+def no_weight_gradients() -> Iterator[None]:
+    """Skip grad_weight of every convgrad convolution inside the scope (R1 / path-length penalties).
+
+    Like NVIDIA's conv2d_gradfix: inside the scope, weights receive no gradient from
+    convgrad convolutions, so only grad_input (and grad_bias) is computed.
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> x = torch.randn(1, 2, 5, 5, requires_grad=True)
+        >>> w = torch.randn(3, 2, 3, 3, requires_grad=True)
+        >>> with cg.no_weight_gradients():
+        ...     gx, = torch.autograd.grad(cg.conv2d(x, w).sum(), [x])
+        >>> w.grad is None
+        True
+    """
+    global _weight_gradients_disabled
+    _weight_gradients_disabled += 1
+    try:
+        yield
+    finally:
+        _weight_gradients_disabled -= 1
+
+
+class ConvFunction(torch.autograd.Function):
+    """conv / conv_transpose (per ``spec.transposed``) with a native forward and an explicit backward."""
+
+    @staticmethod
+    def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec,
+                backend: str) -> torch.Tensor:
+        return native_forward(spec, input, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        input, weight, _, spec, backend = inputs
+        ctx.save_for_backward(input, weight)
+        ctx.spec, ctx.backend = spec, backend
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        input, weight = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        need_weight = need_weight and not _weight_gradients_disabled
+        backend = get_backend(ctx.backend, "ConvFunction.backward")
+        gi = gw = None
+        if need_input or need_weight:
+            if torch.is_grad_enabled() and not backend.differentiable:
+                raise RuntimeError(f"convgrad: backend={backend.name!r} is not differentiable; a second derivative "
+                                   f"(create_graph=True) needs backend='fwdconv', 'gemm' or 'native'")
+            gi, gw = backend.backward(ctx.spec, grad_output, input, weight, need_input, need_weight)
+        gb = bias_grad(grad_output) if need_bias else None
+        return gi, gw, gb, None, None
+
+
+def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
+           padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
+           backend: str) -> torch.Tensor:
+    b = get_backend(backend, fn)
+    tensors = {"input": input, "weight": weight} | ({} if bias is None else {"bias": bias})
+    _check_tensors(fn, b, **tensors)
+    spec = ConvSpec.from_shapes(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding,
+                                groups, fn=fn)
+    if bias is not None and tuple(bias.shape) != (spec.out_channels,):
+        raise ValueError(f"{fn}: bias.shape={tuple(bias.shape)} must be (out_channels,)=({spec.out_channels},)")
+    if spec.unbatched:
+        return ConvFunction.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)
+    return ConvFunction.apply(input, weight, bias, spec, backend)
+
+
+def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: IntOrTuple = 1,
+         padding: PaddingArg = 0, dilation: IntOrTuple = 1, groups: int = 1, backend: str = "auto") -> torch.Tensor:
+    """N-d convolution (1d/2d/3d from the weight) whose backward runs through ``backend``.
+
+    Args:
+        input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; floating dtype.
+        weight: ``(C_out, C_in/groups, *k)``, same dtype and device.
+        bias: ``(C_out,)`` or None (default).
+        stride, dilation: int or N-tuple (default 1).
+        padding: int, N-tuple, ``(lo, hi)`` pairs, ``'same'`` (any stride, TF/JAX rule) or ``'valid'`` (default 0).
+        groups: int (default 1).
+        backend: one of ``convgrad.backends()`` (default ``"auto"``).
+
+    Returns:
+        ``(N, C_out, *out)`` with ``out = floor((i + p_lo + p_hi - d(k-1) - 1)/s) + 1`` per dim.
+
+    Raises:
+        TypeError, ValueError: as :func:`convgrad.conv_backward`.
+
+    Source: docs/derivation.md; higher derivatives come from autograd through the backward.
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> x = torch.randn(2, 4, 9, 9, dtype=torch.float64, requires_grad=True)
+        >>> w = torch.randn(6, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+        >>> y = cg.conv(x, w, stride=2, padding="same", groups=2, backend="fwdconv")
+        >>> y.shape
+        torch.Size([2, 6, 5, 5])
+        >>> torch.autograd.gradcheck(lambda a, b: cg.conv(a, b, stride=2, groups=2, backend="fwdconv"), (x, w))
+        True
+    """
+    return _apply("conv", input, weight, bias, stride, padding, dilation, False, 0, groups, backend)
+
+
+def conv_transpose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   stride: IntOrTuple = 1, padding: PaddingArg = 0, output_padding: IntOrTuple = 0, groups: int = 1,
+                   dilation: IntOrTuple = 1, backend: str = "auto") -> torch.Tensor:
+    """N-d transposed convolution whose backward runs through ``backend`` (torch.nn.functional order).
+
+    Args:
+        input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; floating dtype.
+        weight: ``(C_in, C_out/groups, *k)``, same dtype and device.
+        bias: ``(C_out,)`` or None (default).
+        stride, dilation: int or N-tuple (default 1).
+        padding: int, N-tuple or ``(lo, hi)`` pairs cropped from the output (default 0); 'same' is rejected.
+        output_padding: int or N-tuple, each < max(stride, dilation) (default 0).
+        groups: int (default 1).
+        backend: one of ``convgrad.backends()`` (default ``"auto"``).
+
+    Returns:
+        ``(N, C_out, *out)`` with ``out = (i-1)s - p_lo - p_hi + d(k-1) + output_padding + 1`` per dim.
+
+    Raises:
+        TypeError, ValueError: as :func:`convgrad.conv_backward`.
+
+    Source: docs/derivation.md, "transposed convolutions".
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 3, 3, 3)
+        >>> cg.conv_transpose(x, w, stride=2, padding=1, output_padding=1).shape
+        torch.Size([1, 3, 10, 10])
+    """
+    return _apply("conv_transpose", input, weight, bias, stride, padding, dilation, True, output_padding, groups,
+                  backend)
+
+
+def _fixed_rank(n: int, transposed: bool) -> Any:
+    """torch.nn.functional.conv{n}d / conv_transpose{n}d signatures plus backend=, checking the rank."""
+    name = f"conv_transpose{n}d" if transposed else f"conv{n}d"
+
+    def check(weight: Any) -> None:
+        if isinstance(weight, torch.Tensor) and weight.dim() != n + 2:
+            raise ValueError(f"{name}: weight.shape={tuple(weight.shape)} must have {n + 2} dims")
+
+    if transposed:
+        def f(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: IntOrTuple = 1,
+              padding: PaddingArg = 0, output_padding: IntOrTuple = 0, groups: int = 1, dilation: IntOrTuple = 1,
+              backend: str = "auto") -> torch.Tensor:
+            check(weight)
+            return _apply(name, input, weight, bias, stride, padding, dilation, True, output_padding, groups, backend)
+    else:
+        def f(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,  # type: ignore[misc]
+              stride: IntOrTuple = 1, padding: PaddingArg = 0, dilation: IntOrTuple = 1, groups: int = 1,
+              backend: str = "auto") -> torch.Tensor:
+            check(weight)
+            return _apply(name, input, weight, bias, stride, padding, dilation, False, 0, groups, backend)
+
+    f.__name__ = f.__qualname__ = name
+    base = "conv_transpose" if transposed else "conv"
+    f.__doc__ = (f"torch.nn.functional.{name} with backend=; see :func:`convgrad.{base}` for shapes, errors and "
+                 f"the source.")
+    return f
+
+
+conv1d, conv2d, conv3d = (_fixed_rank(n, False) for n in (1, 2, 3))
+conv_transpose1d, conv_transpose2d, conv_transpose3d = (_fixed_rank(n, True) for n in (1, 2, 3))

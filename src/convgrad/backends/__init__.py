@@ -1,0 +1,106 @@
+"""Registry of the ways to compute a convolution's backward.
+
+A backend is a class with ``input_grad`` and ``weight_grad`` (and optionally a
+fused ``backward``) that receives a validated :class:`~convgrad.spec.ConvSpec`
+and batched tensors, never raw user arguments. Adding a backend means adding a
+file here that defines a subclass of :class:`Backend` decorated with
+:func:`register`, and importing it in :func:`_load_builtin`.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from convgrad.spec import ConvSpec
+
+__all__ = ["Backend", "register", "get_backend", "backend_names"]
+
+_REGISTRY: dict[str, Backend] = {}
+_B = TypeVar("_B", bound="type[Backend]")
+
+
+class Backend(ABC):
+    """One formulation of the convolution backward.
+
+    Tensors are batched, ``(N, C, *spatial)``, with dtype and device already checked.
+    ``input_grad`` returns ``spec.input_shape``; ``weight_grad`` returns ``spec.weight_shape``.
+    """
+
+    name: ClassVar[str]
+    differentiable: ClassVar[bool] = True
+    supports_complex: ClassVar[bool] = False
+
+    @abstractmethod
+    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        """grad_input of shape spec.input_shape."""
+
+    @abstractmethod
+    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        """grad_weight of shape spec.weight_shape."""
+
+    def backward(
+        self,
+        spec: ConvSpec,
+        grad_output: torch.Tensor,
+        input: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        need_input: bool,
+        need_weight: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both gradients; a backend that can share work between them overrides this."""
+        gi = self.input_grad(spec, weight, grad_output) if need_input else None  # type: ignore[arg-type]
+        gw = self.weight_grad(spec, input, grad_output) if need_weight else None  # type: ignore[arg-type]
+        return gi, gw
+
+
+def register(cls: _B) -> _B:
+    """Class decorator: instantiate the backend and register it under ``cls.name``."""
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def _load_builtin() -> None:
+    # Imported here, not at module top, so that `convgrad.spec` and the NumPy path never need torch.
+    from convgrad.backends import auto, fwdconv, native  # noqa: F401
+
+    for optional in ("gemm", "numpy"):
+        try:
+            __import__(f"convgrad.backends.{optional}")
+        except ModuleNotFoundError as err:
+            if err.name != f"convgrad.backends.{optional}":
+                raise
+
+
+def backend_names() -> list[str]:
+    """Names of every registered backend, 'auto' first."""
+    if not _REGISTRY:
+        _load_builtin()
+    return sorted(_REGISTRY, key=lambda n: (n != "auto", n))
+
+
+def get_backend(name: str, fn: str = "convgrad") -> Backend:
+    """Look a backend up by name; raise ValueError naming the valid choices otherwise."""
+    if not _REGISTRY:
+        _load_builtin()
+    if not isinstance(name, str):
+        raise TypeError(f"{fn}: backend={name!r} must be a string, one of {backend_names()}")
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"{fn}: backend={name!r} is not registered; choose one of {backend_names()}") from None
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``convgrad.backends()`` list the names while ``convgrad.backends`` stays this package."""
+
+    def __call__(self) -> list[str]:
+        return backend_names()
+
+
+sys.modules[__name__].__class__ = _CallableModule

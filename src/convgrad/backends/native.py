@@ -1,0 +1,75 @@
+"""The native backend: PyTorch's own kernels through ``aten.convolution_backward``.
+
+Contraction (forward conv, per group g; T = kernel taps, P = output positions):
+    grad_input  [N, P, C_out/g] x [C_out/g, C_in/g, T] -> [N, C_in/g, taps scattered to input positions]
+    grad_weight [C_out/g, N*P] x [N*P, C_in/g * T]     -> [C_out/g, C_in/g * T]
+aten dispatches this to oneDNN, cuDNN, the depthwise kernels or THNN's im2col + GEMM
+(``convgrad.native_backend`` tells which). aten only knows symmetric padding, so the
+excess of an asymmetric padding is applied here to the big side: padded onto the
+input of a forward conv (and cropped off its gradient), or padded onto the
+grad_output of a transposed conv, whose output aten would otherwise not crop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from convgrad._ops import pad, placeholder
+from convgrad.backends import Backend, register
+from convgrad.spec import ConvSpec
+
+
+def _aten_args(spec: ConvSpec) -> tuple[list[int], list[int], list[int], bool, list[int], int]:
+    return (list(spec.stride), list(spec.symmetric_padding), list(spec.dilation), spec.transposed,
+            list(spec.output_padding), spec.groups)
+
+
+def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The convolution itself (batched), including asymmetric padding; used by the autograd Functions."""
+    excess = spec.padding_excess
+    if not spec.transposed:
+        input = pad(input, excess)
+    out = torch.ops.aten.convolution(input, weight, bias, *_aten_args(spec))
+    if spec.transposed:
+        out = pad(out, [(-lo, -hi) for lo, hi in excess])  # crop what aten's symmetric padding left
+    return out
+
+
+@register
+class NativeBackend(Backend):
+    """aten.convolution_backward: whatever kernel PyTorch picks for this device and dtype."""
+
+    name = "native"
+    supports_complex = True
+
+    def backward(
+        self,
+        spec: ConvSpec,
+        grad_output: torch.Tensor,
+        input: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        need_input: bool,
+        need_weight: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        excess = spec.padding_excess
+        like = grad_output
+        if input is None:
+            input = placeholder(spec.input_shape, like)
+        if weight is None:
+            weight = placeholder(spec.weight_shape, like)
+        if spec.transposed:
+            grad_output = pad(grad_output, excess)
+        else:
+            input = pad(input, excess)
+        gi, gw, _ = torch.ops.aten.convolution_backward(
+            grad_output, input, weight, None, *_aten_args(spec), [need_input, need_weight, False]
+        )
+        if gi is not None and not spec.transposed:
+            gi = pad(gi, [(-lo, -hi) for lo, hi in excess])
+        return (gi if need_input else None), (gw if need_weight else None)
+
+    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        return self.backward(spec, grad_output, None, weight, True, False)[0]  # type: ignore[return-value]
+
+    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        return self.backward(spec, grad_output, input, None, False, True)[1]  # type: ignore[return-value]

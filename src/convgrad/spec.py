@@ -1,0 +1,397 @@
+"""ConvSpec: the normalised hyperparameters of one convolution and all its shape maths.
+
+This is the only module that does shape or padding arithmetic. It holds integers
+only and imports no torch, so the NumPy path can use it too.
+
+Geometry. Every convolution, forward or transposed, is described through the
+*forward geometry*: a big side ``x`` (extent ``i`` per dim) read by a kernel of
+extent ``k`` with stride ``s`` and dilation ``d`` after padding ``(p_lo, p_hi)``,
+and a small side ``y`` (extent ``o``) where
+
+    y[j] = sum_t x_pad[j*s + t*d] * w[t],   j = 0 .. o-1.
+
+A forward conv maps x -> y (x is its input). A transposed conv is the adjoint,
+y -> x (y is its input, x its output). The leftover
+
+    r = i + p_lo + p_hi - d(k-1) - 1 - (o-1)s  >= 0
+
+counts the trailing rows of ``x_pad`` that no output reads. For a forward conv
+``r < s``; for a transposed conv ``r`` equals ``output_padding`` (which may reach
+``s`` or more when ``d > s``). The derivations are in docs/derivation.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+Pair = tuple[int, int]
+PaddingArg = Union[int, str, Sequence[Any]]
+IntOrTuple = Union[int, Sequence[int]]
+
+__all__ = ["ConvSpec", "check_bias_sizes", "check_output_mask", "same_padding"]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) or type(v).__name__ in {"int64", "int32"}
+
+
+def _ntuple(fn: str, name: str, value: Any, n: int, minimum: int) -> tuple[int, ...]:
+    """Normalise an int or an n-sequence of ints, checking each is >= minimum."""
+    if _is_int(value):
+        values: tuple[Any, ...] = (int(value),) * n
+    elif isinstance(value, Sequence) and not isinstance(value, str):
+        values = tuple(value)
+        if len(values) != n:
+            raise ValueError(f"{fn}: {name}={value!r} must have {n} entries, one per spatial dim (got {len(values)})")
+    else:
+        raise TypeError(f"{fn}: {name}={value!r} must be an int or a tuple of {n} ints")
+    for v in values:
+        if not _is_int(v):
+            raise TypeError(f"{fn}: {name}={value!r} must contain only ints (got {type(v).__name__})")
+        if int(v) < minimum:
+            rule = "positive" if minimum == 1 else f">= {minimum}"
+            raise ValueError(f"{fn}: {name}={value!r} must be {rule}")
+    return tuple(int(v) for v in values)
+
+
+def same_padding(size: int, kernel: int, stride: int, dilation: int) -> Pair:
+    """'same' padding of one dim: total t = max((ceil(i/s)-1)s + d(k-1) + 1 - i, 0), extra on the high side."""
+    total = max((math.ceil(size / stride) - 1) * stride + dilation * (kernel - 1) + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def _padding_pairs(fn: str, padding: PaddingArg, n: int, transposed: bool) -> tuple[Pair, ...] | str:
+    """Normalise padding to n (lo, hi) pairs, or return 'same' to be resolved from the sizes."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return ((0, 0),) * n
+        if padding == "same":
+            if transposed:
+                raise ValueError(f"{fn}: padding='same' is not defined for a transposed convolution")
+            return "same"
+        raise ValueError(f"{fn}: padding={padding!r} must be an int, a tuple, 'same' or 'valid'")
+    if isinstance(padding, Sequence) and any(isinstance(p, Sequence) and not isinstance(p, str) for p in padding):
+        if len(padding) != n:
+            raise ValueError(f"{fn}: padding={padding!r} must have {n} (lo, hi) pairs, one per spatial dim")
+        pairs = []
+        for p in padding:
+            if not isinstance(p, Sequence) or isinstance(p, str) or len(p) != 2:
+                raise ValueError(f"{fn}: padding={padding!r} must mix no ints with (lo, hi) pairs")
+            lo, hi = _ntuple(fn, "padding", tuple(p), 2, 0)
+            pairs.append((lo, hi))
+        return tuple(pairs)
+    return tuple((p, p) for p in _ntuple(fn, "padding", padding, n, 0))
+
+
+def _shape(fn: str, name: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, Sequence) or isinstance(shape, str):
+        raise TypeError(f"{fn}: {name}={shape!r} must be a sequence of ints")
+    return _ntuple(fn, name, tuple(shape), len(shape), 0)
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """Validated hyperparameters and shapes of one (forward or transposed) convolution.
+
+    Build it with :meth:`ConvSpec.from_shapes`. All sizes are user-facing: ``input``
+    is what the convolution reads, ``output`` what it produces; for a transposed
+    conv these are the small and the big side respectively.
+    """
+
+    batch: int
+    in_channels: int
+    out_channels: int
+    input_size: tuple[int, ...]
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[Pair, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    output_padding: tuple[int, ...]
+    groups: int
+    unbatched: bool = False
+    fn: str = field(default="convgrad", compare=False, repr=False)
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def from_shapes(
+        cls,
+        input_shape: Sequence[int],
+        weight_shape: Sequence[int],
+        stride: IntOrTuple = 1,
+        padding: PaddingArg = 0,
+        dilation: IntOrTuple = 1,
+        transposed: bool = False,
+        output_padding: IntOrTuple = 0,
+        groups: int = 1,
+        *,
+        fn: str = "ConvSpec",
+    ) -> ConvSpec:
+        """Validate convolution arguments against the input and weight shapes.
+
+        Args:
+            input_shape: ``(N, C_in, *spatial)`` or unbatched ``(C_in, *spatial)``.
+            weight_shape: ``(C_out, C_in/groups, *k)`` for a forward conv,
+                ``(C_in, C_out/groups, *k)`` for a transposed conv.
+            stride, dilation: int or N-tuple, each >= 1.
+            padding: int, N-tuple, N-tuple of ``(lo, hi)`` pairs, ``'valid'`` or ``'same'``.
+            transposed: describe a transposed convolution.
+            output_padding: int or N-tuple; only for transposed convs, each < max(stride, dilation).
+            groups: int >= 1 dividing both channel counts.
+            fn: the public function name used in error messages.
+
+        Raises:
+            TypeError: a non-integer where an int is needed.
+            ValueError: any value out of range or inconsistent with the shapes.
+        """
+        weight_shape = _shape(fn, "weight.shape", weight_shape)
+        n = len(weight_shape) - 2
+        if n not in (1, 2, 3):
+            raise ValueError(f"{fn}: weight.shape={weight_shape} must have 3, 4 or 5 dims (1d, 2d or 3d conv)")
+        input_shape = _shape(fn, "input.shape", input_shape)
+        if len(input_shape) not in (n + 1, n + 2):
+            raise ValueError(
+                f"{fn}: input.shape={input_shape} must have {n + 2} dims (N, C, *spatial) "
+                f"or {n + 1} (C, *spatial) for a {n}d weight of shape {weight_shape}"
+            )
+        unbatched = len(input_shape) == n + 1
+        batched = (1, *input_shape) if unbatched else input_shape
+        if not isinstance(transposed, bool):
+            raise TypeError(f"{fn}: transposed={transposed!r} must be a bool")
+        if not _is_int(groups):
+            raise TypeError(f"{fn}: groups={groups!r} must be an int")
+        if groups < 1:
+            raise ValueError(f"{fn}: groups={groups} must be positive")
+        stride_t = _ntuple(fn, "stride", stride, n, 1)
+        dilation_t = _ntuple(fn, "dilation", dilation, n, 1)
+        op = _ntuple(fn, "output_padding", output_padding, n, 0)
+        pads = _padding_pairs(fn, padding, n, transposed)
+        kernel = weight_shape[2:]
+        if any(k < 1 for k in kernel):
+            raise ValueError(f"{fn}: weight.shape={weight_shape} has an empty kernel")
+        if any(v < 1 for v in batched[2:]):
+            raise ValueError(f"{fn}: input.shape={input_shape} has an empty spatial dim")
+        in_ch = batched[1]
+        out_ch = weight_shape[1] * groups if transposed else weight_shape[0]
+        _check_channels(fn, in_ch, out_ch, weight_shape, int(groups), transposed)
+        if pads == "same":
+            pads = tuple(same_padding(*a) for a in zip(batched[2:], kernel, stride_t, dilation_t))
+        _check_output_padding(fn, op, stride_t, dilation_t, transposed)
+        spec = cls(batched[0], in_ch, out_ch, batched[2:], kernel, stride_t, pads, dilation_t,
+                   transposed, op, int(groups), unbatched, fn)
+        spec._check_extents()
+        return spec
+
+    def _check_extents(self) -> None:
+        for dim, (i, k, d, (lo, hi)) in enumerate(zip(self.input_size, self.kernel_size, self.dilation, self.padding)):
+            if not self.transposed and d * (k - 1) + 1 > i + lo + hi:
+                raise ValueError(
+                    f"{self.fn}: kernel extent dilation*(k-1)+1={d * (k - 1) + 1} is larger than the padded "
+                    f"input {i}+{lo}+{hi}={i + lo + hi} in spatial dim {dim}"
+                )
+        if self.transposed and any(v < 1 for v in self.x_size):
+            raise ValueError(f"{self.fn}: the transposed convolution's output size {self.x_size} must be positive; "
+                             f"padding={self.padding} crops too much")
+
+    # ---- the forward geometry ----------------------------------------------------
+    @property
+    def n(self) -> int:
+        """Number of spatial dims."""
+        return len(self.kernel_size)
+
+    @property
+    def x_channels(self) -> int:
+        """Channels of the big side (forward: input; transposed: output)."""
+        return self.out_channels if self.transposed else self.in_channels
+
+    @property
+    def y_channels(self) -> int:
+        """Channels of the small side (forward: output; transposed: input)."""
+        return self.in_channels if self.transposed else self.out_channels
+
+    @property
+    def y_size(self) -> tuple[int, ...]:
+        """Spatial extent o of the small side."""
+        if self.transposed:
+            return self.input_size
+        return tuple(
+            (i + lo + hi - d * (k - 1) - 1) // s + 1
+            for i, k, s, d, (lo, hi) in zip(self.input_size, self.kernel_size, self.stride, self.dilation, self.padding)
+        )
+
+    @property
+    def x_size(self) -> tuple[int, ...]:
+        """Spatial extent i of the big side (for a transposed conv, its output size)."""
+        if not self.transposed:
+            return self.input_size
+        return tuple(
+            (o - 1) * s + d * (k - 1) + 1 + op - lo - hi
+            for o, k, s, d, op, (lo, hi) in zip(
+                self.input_size, self.kernel_size, self.stride, self.dilation, self.output_padding, self.padding
+            )
+        )
+
+    @property
+    def leftover(self) -> tuple[int, ...]:
+        """r per dim: trailing rows of the padded big side that no output position reads."""
+        return tuple(
+            i + lo + hi - d * (k - 1) - 1 - (o - 1) * s
+            for i, o, k, s, d, (lo, hi) in zip(
+                self.x_size, self.y_size, self.kernel_size, self.stride, self.dilation, self.padding
+            )
+        )
+
+    @property
+    def unread_input_rows(self) -> tuple[int, ...]:
+        """How many of the leftover rows are real rows of the big side (not padding): max(0, r - p_hi)."""
+        return tuple(max(0, r - hi) for r, (_, hi) in zip(self.leftover, self.padding))
+
+    # ---- user-facing shapes ------------------------------------------------------
+    @property
+    def output_size(self) -> tuple[int, ...]:
+        """Spatial size of the convolution's output."""
+        return self.x_size if self.transposed else self.y_size
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Batched input shape (N, C_in, *input_size)."""
+        return (self.batch, self.in_channels, *self.input_size)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """Batched output shape (N, C_out, *output_size), also the shape of grad_output."""
+        return (self.batch, self.out_channels, *self.output_size)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        """(C_y, C_x/groups, *k): (C_out, C_in/g, *k) forward, (C_in, C_out/g, *k) transposed."""
+        return (self.y_channels, self.x_channels // self.groups, *self.kernel_size)
+
+    @property
+    def x_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.x_channels, *self.x_size)
+
+    @property
+    def y_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.y_channels, *self.y_size)
+
+    @property
+    def is_symmetric(self) -> bool:
+        """True when every dim pads equally on both sides (expressible as one int per dim in torch)."""
+        return all(lo == hi for lo, hi in self.padding)
+
+    # ---- the pads of the backward formulations -----------------------------------
+    @property
+    def x_read_pads(self) -> tuple[Pair, ...]:
+        """Pads of x so that a stride-s conv reads it exactly: (p_lo, p_hi - r); negative = crop."""
+        return tuple((lo, hi - r) for (lo, hi), r in zip(self.padding, self.leftover))
+
+    @property
+    def zero_inserted_size(self) -> tuple[int, ...]:
+        """Extent of y after inserting s-1 zeros between entries: (o-1)s + 1."""
+        return tuple((o - 1) * s + 1 for o, s in zip(self.y_size, self.stride))
+
+    @property
+    def transpose_pads(self) -> tuple[Pair, ...]:
+        """Pads of the zero-inserted y for the grad-of-x conv: (d(k-1)-p_lo, d(k-1)-p_hi+r); negative = crop."""
+        return tuple(
+            (d * (k - 1) - lo, d * (k - 1) - hi + r)
+            for k, d, (lo, hi), r in zip(self.kernel_size, self.dilation, self.padding, self.leftover)
+        )
+
+    @property
+    def transpose_padded_size(self) -> tuple[int, ...]:
+        """Extent of the zero-inserted, padded y: i + d(k-1), which a stride-1 conv maps back to i."""
+        return tuple(i + d * (k - 1) for i, k, d in zip(self.x_size, self.kernel_size, self.dilation))
+
+    @property
+    def x_read_size(self) -> tuple[int, ...]:
+        """Extent of x after x_read_pads: (o-1)s + d(k-1) + 1, exactly what the conv reads."""
+        return tuple((o - 1) * s + d * (k - 1) + 1
+                     for o, k, s, d in zip(self.y_size, self.kernel_size, self.stride, self.dilation))
+
+    @property
+    def symmetric_padding(self) -> tuple[int, ...]:
+        """min(p_lo, p_hi) per dim: the part of the padding torch can express as one int."""
+        return tuple(min(lo, hi) for lo, hi in self.padding)
+
+    @property
+    def padding_excess(self) -> tuple[Pair, ...]:
+        """Padding beyond symmetric_padding on each side, applied explicitly to the big side."""
+        return tuple((lo - m, hi - m) for (lo, hi), m in zip(self.padding, self.symmetric_padding))
+
+    def macs(self) -> int:
+        """Multiply-accumulates of the forward conv (= of each of its two gradients)."""
+        return self.batch * self.y_channels * math.prod(self.y_size) * (self.x_channels // self.groups) * math.prod(
+            self.kernel_size
+        )
+
+    def describe(self) -> str:
+        """One line: the configuration in torch's argument names."""
+        kind = "conv_transpose" if self.transposed else "conv"
+        parts = [f"{kind}{self.n}d input={self.input_shape} weight={self.weight_shape}"]
+        for name, value, default in (
+            ("stride", self.stride, (1,) * self.n),
+            ("padding", self.padding, ((0, 0),) * self.n),
+            ("dilation", self.dilation, (1,) * self.n),
+            ("output_padding", self.output_padding, (0,) * self.n),
+        ):
+            if value != default:
+                parts.append(f"{name}={value}")
+        if self.groups != 1:
+            parts.append(f"groups={self.groups}")
+        return " ".join(parts)
+
+
+def _check_channels(fn: str, in_ch: int, out_ch: int, weight_shape: tuple[int, ...], groups: int,
+                    transposed: bool) -> None:
+    if in_ch < 1 or out_ch < 1:
+        raise ValueError(f"{fn}: channels must be positive (in_channels={in_ch}, out_channels={out_ch})")
+    if in_ch % groups:
+        raise ValueError(f"{fn}: groups={groups} must divide in_channels={in_ch}")
+    if out_ch % groups:
+        raise ValueError(f"{fn}: groups={groups} must divide out_channels={out_ch}")
+    if transposed:
+        if weight_shape[0] != in_ch:
+            raise ValueError(
+                f"{fn}: weight.shape={weight_shape} expects in_channels={weight_shape[0]} for a transposed conv, "
+                f"but input has {in_ch} channels"
+            )
+    elif weight_shape[1] * groups != in_ch:
+        raise ValueError(
+            f"{fn}: weight.shape={weight_shape} with groups={groups} expects in_channels="
+            f"{weight_shape[1] * groups}, but input has {in_ch} channels"
+        )
+
+
+def _check_output_padding(fn: str, op: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...],
+                          transposed: bool) -> None:
+    if not transposed:
+        if any(op):
+            raise ValueError(f"{fn}: output_padding={op} is only allowed for a transposed convolution")
+        return
+    for p, s, d in zip(op, stride, dilation):
+        if p >= max(s, d):
+            raise ValueError(
+                f"{fn}: output_padding={op} must be smaller than max(stride, dilation) in every dim "
+                f"(stride={stride}, dilation={dilation})"
+            )
+
+
+def check_bias_sizes(fn: str, bias_sizes: Any, out_channels: int) -> None:
+    """bias_sizes must be None or [C_out], as in aten.convolution_backward."""
+    if bias_sizes is None:
+        return
+    if not isinstance(bias_sizes, Sequence) or isinstance(bias_sizes, str) or list(bias_sizes) != [out_channels]:
+        raise ValueError(f"{fn}: bias_sizes={bias_sizes!r} must be None or [out_channels]=[{out_channels}]")
+
+
+def check_output_mask(fn: str, output_mask: Any) -> tuple[bool, bool, bool]:
+    """output_mask must be three bools (grad_input, grad_weight, grad_bias)."""
+    if (not isinstance(output_mask, Sequence) or isinstance(output_mask, str) or len(output_mask) != 3
+            or not all(isinstance(m, bool) for m in output_mask)):
+        raise ValueError(f"{fn}: output_mask={output_mask!r} must be three bools (grad_input, grad_weight, grad_bias)")
+    return (output_mask[0], output_mask[1], output_mask[2])

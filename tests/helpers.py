@@ -1,0 +1,202 @@
+"""The one comparison helper of the test suite: anything against torch autograd.
+
+The reference for every gradient is torch autograd through torch's own
+convolution. Where torch's functional API cannot express a configuration
+(asymmetric padding, 'same' with stride), the reference runs torch's conv on the
+explicitly padded input (forward) or crops torch's transposed output.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from convgrad.spec import ConvSpec
+
+# One tolerance table, keyed by dtype (STYLE.md).
+TOL: dict[torch.dtype, dict[str, float]] = {
+    torch.float64: {"rtol": 1e-7, "atol": 1e-9},
+    torch.float32: {"rtol": 2e-4, "atol": 2e-5},
+    torch.complex128: {"rtol": 1e-7, "atol": 1e-9},
+    torch.complex64: {"rtol": 2e-4, "atol": 2e-5},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+}
+
+_F_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_F_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One convolution configuration, in torch's argument names."""
+
+    input_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+    stride: Any = 1
+    padding: Any = 0
+    dilation: Any = 1
+    groups: int = 1
+    transposed: bool = False
+    output_padding: Any = 0
+    name: str = field(default="", compare=False)
+
+    def spec(self) -> ConvSpec:
+        return ConvSpec.from_shapes(self.input_shape, self.weight_shape, self.stride, self.padding, self.dilation,
+                                    self.transposed, self.output_padding, self.groups, fn="test")
+
+    def kwargs(self) -> dict[str, Any]:
+        kw = dict(stride=self.stride, padding=self.padding, dilation=self.dilation, groups=self.groups)
+        if self.transposed:
+            kw["output_padding"] = self.output_padding
+        return kw
+
+    def __str__(self) -> str:
+        return self.name or self.spec().describe()
+
+
+def reference_forward(case: Case, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """torch's own conv for the case, with explicit padding where torch cannot express it."""
+    spec = case.spec()
+    n = spec.n
+    unbatched = spec.unbatched
+    if unbatched:
+        x = x.unsqueeze(0)
+    if not spec.transposed:
+        if spec.is_symmetric:
+            y = _F_CONV[n](x, w, b, spec.stride, spec.symmetric_padding, spec.dilation, spec.groups)
+        else:
+            flat = [v for lo, hi in reversed(spec.padding) for v in (lo, hi)]
+            y = _F_CONV[n](F.pad(x, flat), w, b, spec.stride, 0, spec.dilation, spec.groups)
+    elif spec.is_symmetric:
+        y = _F_CONV_T[n](x, w, b, spec.stride, spec.symmetric_padding, spec.output_padding, spec.groups, spec.dilation)
+    else:
+        full = _F_CONV_T[n](x, w, b, spec.stride, 0, spec.output_padding, spec.groups, spec.dilation)
+        y = full[(..., *(slice(lo, full.shape[2 + j] - hi) for j, (lo, hi) in enumerate(spec.padding)))]
+    return y.squeeze(0) if unbatched else y
+
+
+def make_tensors(case: Case, dtype: torch.dtype = torch.float64, device: str = "cpu", seed: int = 0,
+                 bias: bool = True) -> dict[str, torch.Tensor]:
+    """Random input, weight, bias and grad_output for the case (grad_output shaped like the output)."""
+    g = torch.Generator().manual_seed(seed)
+    spec = case.spec()
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+
+    out_shape = spec.output_shape[1:] if spec.unbatched else spec.output_shape
+    t = {"input": rand(*case.input_shape), "weight": rand(*case.weight_shape), "grad_output": rand(*out_shape)}
+    if bias:
+        t["bias"] = rand(spec.out_channels)
+    return t
+
+
+def reference_grads(case: Case, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """grad_input, grad_weight, grad_bias by torch autograd through torch's conv."""
+    x = t["input"].detach().requires_grad_()
+    w = t["weight"].detach().requires_grad_()
+    b = t["bias"].detach().requires_grad_() if "bias" in t else None
+    y = reference_forward(case, x, w, b)
+    leaves = [x, w] + ([b] if b is not None else [])
+    grads = torch.autograd.grad(y, leaves, t["grad_output"], allow_unused=True)
+    names = ["grad_input", "grad_weight", "grad_bias"]
+    return {k: (torch.zeros_like(leaf) if gr is None else gr) for k, leaf, gr in zip(names, leaves, grads)}
+
+
+def assert_matches_autograd(ours: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor], dtype: torch.dtype,
+                            context: str = "") -> None:
+    """Every gradient in `ours` equals torch autograd's within TOL[dtype]; shapes and dtypes match exactly."""
+    assert ours, "nothing to compare"
+    for name, value in ours.items():
+        assert value is not None, f"{context}: {name} is None"
+        expected = ref[name]
+        assert value.shape == expected.shape, f"{context}: {name} shape {tuple(value.shape)} != {tuple(expected.shape)}"
+        assert value.dtype == expected.dtype, f"{context}: {name} dtype {value.dtype} != {expected.dtype}"
+        torch.testing.assert_close(value, expected, **TOL[dtype], msg=lambda m, n=name: f"{context}: {n}: {m}")
+
+
+# ---- the grid ---------------------------------------------------------------------------------------------------
+
+def _c(n: int, name: str, cin: int, cout: int, size: Any, k: Any, transposed: bool = False, batch: int | None = 2,
+       **kw: Any) -> Case:
+    size = (size,) * n if isinstance(size, int) else tuple(size)
+    k = (k,) * n if isinstance(k, int) else tuple(k)
+    g = kw.get("groups", 1)
+    weight = (cin, cout // g, *k) if transposed else (cout, cin // g, *k)
+    shape = (cin, *size) if batch is None else (batch, cin, *size)
+    return Case(shape, weight, transposed=transposed, name=f"{n}d-{'T-' if transposed else ''}{name}", **kw)
+
+
+def grid_cases() -> list[Case]:
+    """Every hard case of the field, in 1d, 2d and 3d, forward and transposed."""
+    cases: list[Case] = []
+    for n in (1, 2, 3):
+        s = 7 if n < 3 else 5
+        cases += [
+            _c(n, "plain", 3, 4, s, 3),
+            _c(n, "stride2-leftover", 2, 3, s + 1, 3, stride=2),  # r = 1, a real row unread
+            _c(n, "stride3-leftover2", 2, 3, s + 1, 2, stride=3),  # even kernel, r = 2
+            _c(n, "asym-padding", 2, 3, s, 3, padding=((1, 2),) * n),
+            _c(n, "dilation2-stride2", 2, 4, s + 2, 3, stride=2, dilation=2, padding=1),
+            _c(n, "dilation3-stride2-pad", 2, 2, s + 3, 2, stride=2, dilation=3, padding=2),
+            _c(n, "groups2-cin4", 4, 6, s, 3, groups=2, stride=2, padding=1),
+            _c(n, "depthwise", 4, 4, s, 3, groups=4, padding=1),
+            _c(n, "depthwise-multiplier", 3, 6, s, 3, groups=3, stride=2),
+            _c(n, "same-even-kernel", 2, 3, s, 4, padding="same"),
+            _c(n, "same-stride2", 2, 3, s, 3, padding="same", stride=2),
+            _c(n, "valid", 2, 3, s, 2, padding="valid"),
+            _c(n, "padding-ge-kernel", 2, 2, 3, 2, padding=3, stride=2),
+            _c(n, "batch0", 2, 3, s, 3, batch=0, stride=2),
+            _c(n, "batch1", 2, 3, s, 3, batch=1, padding=1),
+            _c(n, "unbatched", 2, 3, s, 3, batch=None, stride=2),
+            _c(n, "plain", 3, 4, 4, 3, transposed=True),
+            _c(n, "stride2-op1", 2, 3, 4, 3, transposed=True, stride=2, padding=1, output_padding=1),
+            _c(n, "stride3-op2-groups2", 4, 6, 3, 2, transposed=True, stride=3, output_padding=2, groups=2),
+            _c(n, "dilation3-op2-ge-stride", 2, 3, 3, 3, transposed=True, stride=2, dilation=3, output_padding=2),
+            _c(n, "asym-padding", 2, 3, 4, 3, transposed=True, stride=2, padding=((2, 1),) * n),
+            _c(n, "depthwise", 3, 3, 4, 3, transposed=True, groups=3, stride=2),
+            _c(n, "batch0", 2, 3, 3, 3, transposed=True, batch=0, stride=2),
+            _c(n, "unbatched", 2, 3, 3, 3, transposed=True, batch=None, stride=2, output_padding=1),
+        ]
+    cases.append(_c(2, "mixed-per-dim", 3, 6, (9, 6), (3, 2), stride=(2, 1), dilation=(1, 2),
+                    padding=((0, 2), (1, 0)), groups=3))
+    cases.append(_c(3, "mixed-per-dim", 2, 4, (5, 4, 6), (2, 3, 1), stride=(1, 2, 3), dilation=(2, 1, 1), groups=2,
+                    padding=(1, 0, 2)))
+    return cases
+
+
+def random_cases(count: int, seed: int) -> list[Case]:
+    """Seeded random valid configurations (forward and transposed, dims 1-3)."""
+    rng = random.Random(seed)
+    out: list[Case] = []
+    while len(out) < count:
+        n = rng.choice((1, 2, 3))
+        transposed = rng.random() < 0.4
+        g = rng.choice((1, 1, 2, 3))
+        cin, cout = g * rng.randint(1, 3), g * rng.randint(1, 3)
+        k = tuple(rng.randint(1, 4) for _ in range(n))
+        s = tuple(rng.randint(1, 3) for _ in range(n))
+        d = tuple(rng.randint(1, 3) for _ in range(n))
+        size = tuple(rng.randint(1, 9 if n < 3 else 6) for _ in range(n))
+        if transposed:
+            pad = tuple(rng.randint(0, 2) for _ in range(n))
+            op = tuple(rng.randint(0, max(si, di) - 1) for si, di in zip(s, d))
+            case = Case((rng.randint(0, 3), cin, *size), (cin, cout // g, *k), s, pad, d, g, True, op)
+        else:
+            pad = rng.choice([tuple((rng.randint(0, 3), rng.randint(0, 3)) for _ in range(n)), "same",
+                              tuple(rng.randint(0, 3) for _ in range(n))])
+            case = Case((rng.randint(0, 3), cin, *size), (cout, cin // g, *k), s, pad, d, g)
+        try:
+            spec = case.spec()
+        except ValueError:
+            continue
+        if math.prod(spec.output_shape[2:]) <= 4096:
+            out.append(Case(case.input_shape, case.weight_shape, case.stride, case.padding, case.dilation, case.groups,
+                            case.transposed, case.output_padding, name=f"random{seed}-{len(out)}"))
+    return out
