@@ -25,9 +25,12 @@ _LAZY: dict[str, str] = {
         "convgrad.autograd",
     ),
     **dict.fromkeys(["patch", "unpatch"], "convgrad.nn"),
+    **dict.fromkeys(["per_sample_weight_grad", "per_sample_bias_grad", "per_sample_grad_norms", "PerSampleGrads"],
+                    "convgrad.per_sample"),
+    **dict.fromkeys(["explain", "native_backend", "Recipe", "NativeChoice"], "convgrad.explain"),
     "ConvSpec": "convgrad.spec",
 }
-_SUBMODULES = {"nn", "backends", "spec", "functional", "autograd"}
+_SUBMODULES = {"nn", "backends", "spec", "functional", "autograd", "numpy", "per_sample", "explain"}
 
 __all__ = sorted([*_LAZY, "backends", "nn", "__version__"])
 
