@@ -1,0 +1,151 @@
+"""ConvSpec: shape maths against torch's own shapes, and every validation error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import grid_cases, random_cases, reference_forward
+
+from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, same_padding
+
+
+@pytest.mark.parametrize("case", grid_cases() + random_cases(60, seed=7), ids=str)
+def test_output_shape_matches_torch(case) -> None:
+    spec = case.spec()
+    x = torch.zeros(case.input_shape, dtype=torch.float64)
+    w = torch.zeros(case.weight_shape, dtype=torch.float64)
+    y = reference_forward(case, x, w, None)
+    expected = spec.output_shape[1:] if spec.unbatched else spec.output_shape
+    assert tuple(y.shape) == expected
+
+
+@pytest.mark.parametrize("case", grid_cases() + random_cases(60, seed=8), ids=str)
+def test_leftover_definition_and_bounds(case) -> None:
+    spec = case.spec()
+    for i, o, k, s, d, (lo, hi), r, op in zip(spec.x_size, spec.y_size, spec.kernel_size, spec.stride,
+                                              spec.dilation, spec.padding, spec.leftover, spec.output_padding):
+        assert (o - 1) * s + d * (k - 1) + 1 + r == i + lo + hi  # the last read row plus r unread rows
+        assert 0 <= r < (s if not spec.transposed else max(s, d))
+        if spec.transposed:
+            assert r == op
+    assert spec.transpose_padded_size == tuple(i + d * (k - 1) for i, k, d in
+                                               zip(spec.x_size, spec.kernel_size, spec.dilation))
+
+
+def test_stride_leaves_real_rows_unread() -> None:
+    spec = ConvSpec.from_shapes((1, 1, 8, 8), (1, 1, 3, 3), stride=2)
+    assert spec.leftover == (1, 1)
+    assert spec.unread_input_rows == (1, 1)
+    padded = ConvSpec.from_shapes((1, 1, 8, 8), (1, 1, 3, 3), stride=2, padding=1)
+    assert padded.leftover == (1, 1) and padded.unread_input_rows == (0, 0)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel")
+@pytest.mark.parametrize("size", range(1, 12))
+@pytest.mark.parametrize("k,s,d", [(1, 1, 1), (2, 1, 1), (3, 1, 2), (4, 1, 1), (3, 2, 1), (4, 3, 1), (2, 2, 3), (5, 4, 2)])
+def test_same_padding_rule(size: int, k: int, s: int, d: int) -> None:
+    lo, hi = same_padding(size, k, s, d)
+    total = lo + hi
+    assert hi - lo == total % 2  # asymmetric exactly when the total is odd, extra on the high side
+    spec = ConvSpec.from_shapes((1, 1, size), (1, 1, k), stride=s, dilation=d, padding="same")
+    assert spec.padding == ((lo, hi),)
+    if d * (k - 1) + 1 <= size + total:
+        assert spec.output_size == (math.ceil(size / s),)  # TF/JAX: out = ceil(in / stride)
+    if s == 1:  # torch's own 'same' agrees for stride 1
+        x, w = torch.randn(1, 1, size), torch.randn(1, 1, k)
+        ours = torch.nn.functional.conv1d(torch.nn.functional.pad(x, (lo, hi)), w, dilation=d)
+        torch.testing.assert_close(ours, torch.nn.functional.conv1d(x, w, padding="same", dilation=d))
+
+
+def test_specs_are_hashable_and_compare_by_value() -> None:
+    a = ConvSpec.from_shapes((2, 4, 9, 9), (6, 2, 3, 3), stride=2, groups=2, fn="a")
+    b = ConvSpec.from_shapes([2, 4, 9, 9], [6, 2, 3, 3], stride=(2, 2), padding=((0, 0), (0, 0)), groups=2, fn="b")
+    assert a == b and hash(a) == hash(b)
+
+
+F = "conv_weight_grad"
+BAD: list[tuple[dict, type, str]] = [
+    (dict(stride=0), ValueError, r"conv_weight_grad: stride=0 must be positive"),
+    (dict(stride=(1, -2)), ValueError, r"stride=\(1, -2\) must be positive"),
+    (dict(dilation=0), ValueError, r"dilation=0 must be positive"),
+    (dict(padding=-1), ValueError, r"padding=-1 must be >= 0"),
+    (dict(padding=((1, -1), (0, 0))), ValueError, r"padding=.*must be >= 0"),
+    (dict(stride=1.5), TypeError, r"stride=1.5 must be an int"),
+    (dict(padding=(1.0, 1)), TypeError, r"padding=\(1.0, 1\) must contain only ints"),
+    (dict(dilation=True), TypeError, r"dilation=True must be an int"),
+    (dict(stride=(1, 1, 1)), ValueError, r"stride=\(1, 1, 1\) must have 2 entries"),
+    (dict(padding=((1, 1),)), ValueError, r"padding=.*must have 2 \(lo, hi\) pairs"),
+    (dict(padding="full"), ValueError, r"padding='full' must be an int, a tuple, 'same' or 'valid'"),
+    (dict(groups=0), ValueError, r"groups=0 must be positive"),
+    (dict(groups=2.0), TypeError, r"groups=2.0 must be an int"),
+    (dict(groups=3), ValueError, r"groups=3 must divide in_channels=8"),
+    (dict(weight=(6, 3, 3, 3), groups=2), ValueError, r"weight.shape=\(6, 3, 3, 3\) with groups=2 expects "
+                                                      r"in_channels=6, but input has 8 channels"),
+    (dict(weight=(5, 4, 3, 3), groups=2), ValueError, r"groups=2 must divide out_channels=5"),
+    (dict(output_padding=1), ValueError, r"output_padding=\(1, 1\) is only allowed for a transposed"),
+    (dict(weight=(6, 8, 9, 3)), ValueError, r"kernel extent dilation\*\(k-1\)\+1=9 is larger than the padded "
+                                            r"input 7\+0\+0=7 in spatial dim 0"),
+    (dict(weight=(6, 8, 3, 3), dilation=4), ValueError, r"kernel extent dilation\*\(k-1\)\+1=9 is larger"),
+    (dict(weight=(6, 8, 3)), ValueError, r"input.shape=\(2, 8, 7, 7\) must have 3 dims"),
+    (dict(weight=(6, 8)), ValueError, r"weight.shape=\(6, 8\) must have 3, 4 or 5 dims"),
+    (dict(input=(2, 8, 0, 7)), ValueError, r"input.shape=\(2, 8, 0, 7\) has an empty spatial dim"),
+    (dict(weight=(6, 8, 0, 3)), ValueError, r"weight.shape=\(6, 8, 0, 3\) has an empty kernel"),
+    (dict(transposed="yes"), TypeError, r"transposed='yes' must be a bool"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD, ids=[m for _, _, m in BAD])
+def test_invalid_arguments_raise_named_errors(kwargs: dict, exc: type, match: str) -> None:
+    kwargs = dict(kwargs)
+    input_shape = kwargs.pop("input", (2, 8, 7, 7))
+    weight_shape = kwargs.pop("weight", (6, 8, 3, 3))
+    with pytest.raises(exc, match=match):
+        ConvSpec.from_shapes(input_shape, weight_shape, fn=F, **kwargs)
+
+
+TRANSPOSED_BAD: list[tuple[dict, str]] = [
+    (dict(padding="same"), r"padding='same' is not defined for a transposed convolution"),
+    (dict(output_padding=2, stride=2), r"output_padding=\(2, 2\) must be smaller than max\(stride, dilation\)"),
+    (dict(output_padding=(0, 3), stride=2, dilation=3), r"output_padding=\(0, 3\) must be smaller"),
+    (dict(padding=5), r"output size \(-5, -5\) must be positive"),
+    (dict(weight=(4, 3, 3, 3)), r"expects in_channels=4 for a transposed conv, but input has 8 channels"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", TRANSPOSED_BAD, ids=[m for _, m in TRANSPOSED_BAD])
+def test_invalid_transposed_arguments(kwargs: dict, match: str) -> None:
+    kwargs = dict(kwargs)
+    weight_shape = kwargs.pop("weight", (8, 3, 3, 3))
+    with pytest.raises(ValueError, match=match):
+        ConvSpec.from_shapes((2, 8, 3, 3), weight_shape, transposed=True, fn="conv_transpose", **kwargs)
+
+
+def test_output_padding_up_to_dilation_is_allowed() -> None:
+    spec = ConvSpec.from_shapes((1, 2, 3), (2, 1, 3), stride=2, dilation=3, output_padding=2, transposed=True)
+    assert spec.leftover == (2,) and spec.output_size == (2 * 2 + 3 * 2 + 1 + 2,)
+
+
+@pytest.mark.parametrize("bias_sizes", [[5], (7,), [6, 1], "6", 6])
+def test_bias_sizes_must_be_none_or_out_channels(bias_sizes) -> None:
+    with pytest.raises(ValueError, match=r"conv_backward: bias_sizes=.* must be None or \[out_channels\]=\[6\]"):
+        check_bias_sizes("conv_backward", bias_sizes, 6)
+    check_bias_sizes("conv_backward", None, 6)
+    check_bias_sizes("conv_backward", [6], 6)
+
+
+@pytest.mark.parametrize("mask", [(True, True), (True, True, True, True), (1, 0, 1), "TTT", None])
+def test_output_mask_must_be_three_bools(mask) -> None:
+    with pytest.raises(ValueError, match=r"conv_backward: output_mask=.* must be three bools"):
+        check_output_mask("conv_backward", mask)
+
+
+def test_spec_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; import convgrad.spec as s; "
+            "print(s.ConvSpec.from_shapes((1, 2, 5), (3, 2, 3), stride=2).output_shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "(1, 3, 2)"
