@@ -1,0 +1,330 @@
+"""Drop-in conv modules whose backward runs through a convgrad backend, and patch()/unpatch().
+
+``convgrad.nn.Conv2d`` *is a* ``torch.nn.Conv2d`` (same constructor, parameters,
+state_dict and repr) plus ``backend=``; its forward calls :func:`convgrad.conv`.
+One mixin, :class:`_ConvgradMixin`, holds all the behaviour; the six public classes
+only combine it with their torch base.
+
+:func:`patch` gives an existing model the same behaviour without rebuilding it: it
+swaps each conv module's ``__class__`` for a generated subclass that puts the mixin
+right above the torch base, so every Parameter, buffer, hook and optimizer entry
+stays the very same object, a user subclass's own ``forward`` still runs first,
+and a parametrization's generated class (weight_norm, spectral_norm) stays the
+outermost, as ``torch.nn.utils.parametrize`` requires.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.utils.parametrize as parametrize
+from torch import Tensor
+
+from convgrad._ops import pad
+from convgrad.autograd import conv, conv_transpose
+from convgrad.backends import get_backend
+from convgrad.spec import ConvSpec
+
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "patch", "unpatch"]
+
+
+class _ConvgradMixin:
+    """What every convgrad conv module adds to its torch base: ``backend`` and a forward through convgrad.
+
+    Sits right before the torch class in the MRO, so it overrides exactly the torch
+    methods that run the convolution: ``_conv_forward`` (forward convs) and ``forward``
+    (transposed convs, whose torch forward calls F.conv_transposeNd directly).
+    """
+
+    backend: str = "auto"  # class default: unpickled or freshly patched modules read it until set
+    # provided by the torch base class
+    transposed: bool
+    stride: tuple[int, ...]
+    padding: Any
+    dilation: tuple[int, ...]
+    output_padding: tuple[int, ...]
+    groups: int
+    padding_mode: str
+    kernel_size: tuple[int, ...]
+    weight: Tensor
+    bias: Tensor | None
+
+    def __init__(self, *args: Any, backend: str = "auto", **kwargs: Any) -> None:
+        name = type(self).__name__
+        get_backend(backend, name)
+        torch_init = super().__init__  # type: ignore[misc]
+        bound = inspect.signature(torch_init).bind(*args, **kwargs)
+        padding = bound.arguments.get("padding", 0)
+        same = isinstance(padding, str) and padding == "same"
+        if same and issubclass(type(self), torch.nn.modules.conv._ConvTransposeNd):
+            raise ValueError(f"{name}: padding='same' is not defined for a transposed convolution")
+        if same:
+            # torch's constructor refuses 'same' with stride > 1; ConvSpec resolves it per input size (TF/JAX rule)
+            bound.arguments["padding"] = 0
+        torch_init(*bound.args, **bound.kwargs)
+        if same:
+            self.padding = "same"
+        self.backend = backend
+
+    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """Forward conv through convgrad; non-zero padding modes pad explicitly by the spec's (lo, hi) pairs."""
+        if self.padding_mode == "zeros":
+            return conv(input, weight, bias, self.stride, self.padding, self.dilation, self.groups,
+                        backend=self.backend)
+        # the pads of 'same' depend on the input size, so they come from the spec at call time
+        spec = ConvSpec.from_shapes(input.shape, weight.shape, self.stride, self.padding, self.dilation,
+                                    groups=self.groups, fn=type(self).__name__)
+        padded = pad(input, spec.padding, mode=self.padding_mode)  # (N, C_in, *(i + p_lo + p_hi))
+        return conv(padded, weight, bias, self.stride, 0, self.dilation, self.groups, backend=self.backend)
+
+    def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
+        """torch's forward; ``output_size`` (transposed convs only) picks output_padding as torch does."""
+        if not self.transposed:
+            if output_size is not None:
+                raise TypeError(f"{type(self).__name__}.forward: output_size is only for transposed convolutions")
+            return super().forward(input)  # type: ignore[misc]  # torch's forward calls _conv_forward above
+        if self.padding_mode != "zeros":
+            raise ValueError(f"{type(self).__name__}: padding_mode={self.padding_mode!r}; a transposed convolution "
+                             f"supports only 'zeros' (as in torch)")
+        n = len(self.kernel_size)
+        output_padding = self._output_padding(  # type: ignore[attr-defined]  # torch's rule and its errors
+            input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation)
+        return conv_transpose(input, self.weight, self.bias, self.stride, self.padding, output_padding, self.groups,
+                              self.dilation, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        s: str = super().extra_repr()  # type: ignore[misc]
+        return s if self.backend == "auto" else f"{s}, backend={self.backend!r}"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # patch()'s generated classes are not importable by name; pickle them as "patched(original class)"
+        original = type(self).__dict__.get("_convgrad_patched_from")
+        reduced = super().__reduce_ex__(protocol)
+        if original is None:
+            return reduced
+        return (_new_patched, (original,), *reduced[2:])
+
+
+_SHAPE_DOC = {
+    False: ("(N, C_out, *out)`` with ``out = floor((i + p_lo + p_hi - dilation*(k-1) - 1) / stride) + 1`` per "
+            "dim; for ``padding='same'``, ``out = ceil(i / stride)``",
+            "(out_channels, in_channels/groups, *kernel_size)"),
+    True: ("(N, C_out, *out)`` with ``out = (i-1)*stride - 2*padding + dilation*(k-1) + output_padding + 1`` "
+           "per dim (output_padding chosen from ``output_size`` when given)",
+           "(in_channels, out_channels/groups, *kernel_size)"),
+}
+
+
+def _doc(n: int, transposed: bool) -> str:
+    name = f"ConvTranspose{n}d" if transposed else f"Conv{n}d"
+    out, weight = _SHAPE_DOC[transposed]
+    if transposed:
+        args = ", ".join(["5"] * n)
+        example = (f'        >>> m = cg.nn.{name}(4, 2, 3, stride=2, padding=1, backend="fwdconv")\n'
+                   f"        >>> m(torch.randn(1, 4, {args}), output_size=[{', '.join(['10'] * n)}]).shape\n"
+                   f"        torch.Size([1, 2, {', '.join(['10'] * n)}])\n")
+        padding_doc = "int or tuple (default 0); 'same' raises ValueError"
+    else:
+        example = (f'        >>> m = cg.nn.{name}(2, 4, 3, stride=2, padding="same", backend="fwdconv")\n'
+                   f"        >>> m(torch.randn(1, 2, {', '.join(['9'] * n)})).shape\n"
+                   f"        torch.Size([1, 4, {', '.join(['5'] * n)}])\n"
+                   f"        >>> torch.nn.{name}(2, 4, 3).load_state_dict(m.state_dict())\n"
+                   f"        <All keys matched successfully>\n")
+        padding_doc = "int, tuple, 'valid' or 'same' (default 0); 'same' also with stride > 1 (TF/JAX rule)"
+    return f"""torch.nn.{name} whose backward runs through a convgrad backend.
+
+    Same constructor, parameters and state_dict as ``torch.nn.{name}``, plus ``backend``.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, dilation, groups, bias, device, dtype: as torch.nn.{name}.
+        padding: {padding_doc}.
+        {"output_padding: int or tuple, each < max(stride, dilation) (default 0)." if transposed else
+         "padding_mode: 'zeros' (default), 'reflect', 'replicate' or 'circular'."}
+        backend: keyword only, one of ``convgrad.backends()`` (default ``"auto"``).
+
+    Shape:
+        - Input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)`` with {n} spatial dims of size ``i``.
+        - Output: ``{out}.
+
+    Attributes:
+        weight: ``{weight}``, initialised exactly as torch's.
+        bias: ``(out_channels,)`` or None.
+        backend: the backend of the backward; may be reassigned.
+
+    Raises:
+        ValueError, TypeError: torch's constructor errors; an unknown backend; at forward time, the
+            errors of :func:`convgrad.{"conv_transpose" if transposed else "conv"}`.
+
+    Source: docs/derivation.md; torch/nn/modules/conv.py for the constructor and output_size rule.
+
+    Example:
+        >>> import torch, convgrad as cg
+{example}    """
+
+
+def _drop_in(n: int, transposed: bool) -> Any:
+    """Class decorator: the docstring and the signature (torch's constructor + backend=) of a public class."""
+
+    def decorate(cls: type) -> type:
+        cls.__doc__ = _doc(n, transposed)
+        torch_sig = inspect.signature(cls.__mro__[2].__init__)
+        params = [*list(torch_sig.parameters.values())[1:],
+                  inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="str")]
+        cls.__signature__ = torch_sig.replace(parameters=params)  # type: ignore[attr-defined]
+        return cls
+
+    return decorate
+
+
+@_drop_in(1, False)
+class Conv1d(_ConvgradMixin, torch.nn.Conv1d):
+    pass
+
+
+@_drop_in(2, False)
+class Conv2d(_ConvgradMixin, torch.nn.Conv2d):
+    pass
+
+
+@_drop_in(3, False)
+class Conv3d(_ConvgradMixin, torch.nn.Conv3d):
+    pass
+
+
+@_drop_in(1, True)
+class ConvTranspose1d(_ConvgradMixin, torch.nn.ConvTranspose1d):
+    pass
+
+
+@_drop_in(2, True)
+class ConvTranspose2d(_ConvgradMixin, torch.nn.ConvTranspose2d):
+    pass
+
+
+@_drop_in(3, True)
+class ConvTranspose3d(_ConvgradMixin, torch.nn.ConvTranspose3d):
+    pass
+
+
+# torch base -> its convgrad drop-in; the six torch classes are siblings, so a module derives from at most one
+_DROP_IN: dict[type, type] = {c.__mro__[2]: c for c in (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d,
+                                                       ConvTranspose3d)}
+_TORCH_CONVS = tuple(_DROP_IN)
+
+
+# ---- patch / unpatch ------------------------------------------------------------------------------------------
+
+@functools.cache
+def _patched_class(original: type) -> type:
+    """``original`` with the mixin inserted right above its torch base (after any user subclass)."""
+    torch_base = next(c for c in original.__mro__ if c in _DROP_IN)
+    bases = (_DROP_IN[torch_base],) if original is torch_base else (original, _DROP_IN[torch_base])
+    return type(f"Patched{original.__name__}", bases,
+                {"_convgrad_patched_from": original, "__module__": __name__, "__doc__": original.__doc__})
+
+
+def _new_patched(original: type) -> Any:
+    """Unpickling helper: an empty instance of the patched class of ``original``."""
+    cls = _patched_class(original)
+    return cls.__new__(cls)
+
+
+def _layers(module: torch.nn.Module) -> tuple[type, type | None]:
+    """(class below any parametrization, the parametrization's generated class or None)."""
+    cls = type(module)
+    if parametrize.is_parametrized(module):
+        return cls.__bases__[0], cls  # parametrize always generates a single-base subclass
+    return cls, None
+
+
+def _set_class(module: torch.nn.Module, inner: type, outer: type | None) -> None:
+    """Give module the class ``inner``, or, under a parametrization, a copy of ``outer`` rebuilt on ``inner``."""
+    if outer is not None:
+        # the copy keeps the properties parametrize injected; the name follows parametrize's "Parametrized<inner>"
+        namespace = {k: v for k, v in vars(outer).items() if k not in ("__dict__", "__weakref__")}
+        old_name = f"Parametrized{outer.__bases__[0].__name__}"
+        name = f"Parametrized{inner.__name__}" if outer.__name__ == old_name else outer.__name__
+        inner = type(name, (inner,), {**namespace, "__qualname__": name})
+    module.__class__ = inner
+
+
+def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+    """Make every conv module of ``model`` compute its backward through convgrad, in place.
+
+    Each ``torch.nn.Conv{1,2,3}d`` / ``ConvTranspose{1,2,3}d`` (or subclass) gets a
+    generated subclass as its class; modules, Parameters, buffers, hooks and
+    optimizer state stay the very same objects. Modules that are already convgrad
+    modules only get the new backend. Works under weight_norm / spectral_norm
+    (both parametrizations and the old hook style). Other ``_ConvNd`` subclasses
+    that derive from none of the six torch classes are left alone.
+
+    Args:
+        model: any ``torch.nn.Module`` (a conv module itself included).
+        backend: one of ``convgrad.backends()`` (default ``"auto"``).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ValueError, TypeError: an unknown backend; an uninitialised lazy conv module.
+
+    Source: DESIGN.md, "Public API".
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, stride=2), torch.nn.ReLU())
+        >>> weight = model[0].weight
+        >>> cg.patch(model, backend="fwdconv")[0]
+        PatchedConv2d(1, 4, kernel_size=(3, 3), stride=(2, 2), backend='fwdconv')
+        >>> model[0].weight is weight, isinstance(model[0], torch.nn.Conv2d)
+        (True, True)
+        >>> type(cg.unpatch(model)[0]) is torch.nn.Conv2d
+        True
+    """
+    get_backend(backend, "patch")
+    for name, module in model.named_modules():
+        if not isinstance(module, _TORCH_CONVS):
+            continue
+        if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+            raise ValueError(f"patch: module {name or type(module).__name__!r} is an uninitialised lazy module; "
+                             f"run one forward pass before patching")
+        if not isinstance(module, _ConvgradMixin):
+            inner, outer = _layers(module)
+            _set_class(module, _patched_class(inner), outer)
+        module.backend = backend
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch`: give every patched module its original class back, in place.
+
+    Modules built as ``convgrad.nn`` classes are not patches and stay as they are.
+
+    Args:
+        model: any ``torch.nn.Module``.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        Nothing.
+
+    Source: DESIGN.md, "Public API".
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> m = cg.unpatch(cg.patch(torch.nn.ConvTranspose1d(2, 2, 3)))
+        >>> type(m), hasattr(m, "backend")
+        (<class 'torch.nn.modules.conv.ConvTranspose1d'>, False)
+    """
+    for module in model.modules():
+        inner, outer = _layers(module)
+        original = vars(inner).get("_convgrad_patched_from")
+        if original is None:
+            continue
+        _set_class(module, original, outer)
+        module.__dict__.pop("backend", None)
+    return model
