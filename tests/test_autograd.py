@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TOL
 
 import convgrad as cg
 from convgrad.backends import get_backend
+from helpers import TOL
 
 DIFFERENTIABLE = [b for b in cg.backends() if get_backend(b).differentiable]
 
@@ -139,7 +139,7 @@ def test_fixed_rank_wrappers_match_torch_functional(fn: str, n: int, transposed:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, *(5,) * n, generator=g, dtype=torch.float64)
     w = torch.randn(4, 2, *(3,) * n, generator=g, dtype=torch.float64)
-    b = torch.randn(4 if not transposed else 4, generator=g, dtype=torch.float64)
+    b = torch.randn(4, generator=g, dtype=torch.float64)
     kw = dict(stride=2, padding=1, groups=2) | (dict(output_padding=1) if transposed else {})
     torch.testing.assert_close(getattr(cg, fn)(x, w, b, **kw), getattr(F, fn)(x, w, b, **kw))
     with pytest.raises(ValueError, match=rf"{fn}: weight.shape=.* must have {n + 2} dims"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Case, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
 
 import convgrad as cg
+from helpers import Case, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
 
 CASES = grid_cases() + random_cases(40, seed=1234)
 BACKENDS = cg.backends()

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from helpers import grid_cases, random_cases, reference_forward
 
 from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, same_padding
+from helpers import grid_cases, random_cases, reference_forward
 
 
 @pytest.mark.parametrize("case", grid_cases() + random_cases(60, seed=7), ids=str)
@@ -44,7 +44,8 @@ def test_stride_leaves_real_rows_unread() -> None:
 
 @pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel")
 @pytest.mark.parametrize("size", range(1, 12))
-@pytest.mark.parametrize("k,s,d", [(1, 1, 1), (2, 1, 1), (3, 1, 2), (4, 1, 1), (3, 2, 1), (4, 3, 1), (2, 2, 3), (5, 4, 2)])
+@pytest.mark.parametrize("k,s,d", [(1, 1, 1), (2, 1, 1), (3, 1, 2), (4, 1, 1), (3, 2, 1), (4, 3, 1), (2, 2, 3),
+                                   (5, 4, 2)])
 def test_same_padding_rule(size: int, k: int, s: int, d: int) -> None:
     lo, hi = same_padding(size, k, s, d)
     total = lo + hi

@@ -16,12 +16,21 @@ import torch
 
 from convgrad._ops import bias_grad
 from convgrad.backends import Backend, get_backend
-from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask
+from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, _ntuple, check_bias_sizes, check_output_mask
 
 __all__ = [
-    "conv_backward", "conv_input_grad", "conv_weight_grad", "conv_transpose_input_grad",
-    "conv_transpose_weight_grad", "conv_bias_grad",
-    "conv1d_input", "conv2d_input", "conv3d_input", "conv1d_weight", "conv2d_weight", "conv3d_weight",
+    "conv1d_input",
+    "conv1d_weight",
+    "conv2d_input",
+    "conv2d_weight",
+    "conv3d_input",
+    "conv3d_weight",
+    "conv_backward",
+    "conv_bias_grad",
+    "conv_input_grad",
+    "conv_transpose_input_grad",
+    "conv_transpose_weight_grad",
+    "conv_weight_grad",
 ]
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -54,7 +63,7 @@ def _check_tensors(fn: str, backend: Backend, **tensors: Any) -> None:
 def _check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:
     if isinstance(size, torch.Tensor) or not isinstance(size, Sequence) or isinstance(size, str):
         raise TypeError(f"{fn}: {name}={size!r} must be a sequence of ints such as torch.Size")
-    return tuple(size)
+    return _ntuple(fn, name, tuple(size), len(size), 0)  # errors name `name`, not the spec's "input.shape"
 
 
 def _check_grad_output(fn: str, spec: ConvSpec, grad_output: torch.Tensor) -> None:
@@ -196,9 +205,9 @@ def conv_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad_outpu
 
     Example:
         >>> import torch, convgrad as cg
-        >>> x, gy = torch.randn(2, 8, 7, 7), torch.randn(2, 6, 7, 7)
-        >>> cg.conv_weight_grad(x, (6, 2, 3, 3), gy, padding=1, groups=4).shape
-        torch.Size([6, 2, 3, 3])
+        >>> x, gy = torch.randn(2, 8, 7, 7), torch.randn(2, 12, 7, 7)
+        >>> cg.conv_weight_grad(x, (12, 2, 3, 3), gy, padding=1, groups=4).shape
+        torch.Size([12, 2, 3, 3])
     """
     fn = "conv_weight_grad"
     b = get_backend(backend, fn)
