@@ -25,17 +25,62 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, NamedTuple
 
 Pair = tuple[int, int]
-PaddingArg = Union[int, str, Sequence[Any]]
-IntOrTuple = Union[int, Sequence[int]]
+PaddingArg = int | str | Sequence[Any]
+IntOrTuple = int | Sequence[int]
 
-__all__ = ["ConvSpec", "check_bias_sizes", "check_output_mask", "same_padding"]
+__all__ = ["ConvSpec", "PhaseTaps", "check_bias_sizes", "check_output_mask", "same_padding"]
+
+
+class PhaseTaps(NamedTuple):
+    """The kernel taps that reach one phase of the big side along one dim (polyphase grad of x).
+
+    Phase rho holds the rows x[rho], x[rho + s], x[rho + 2s], ... (``ConvSpec.phase_rows`` of them).
+    They are a stride-1 convolution, dilation ``dilation`` = d/g (g = gcd(s, d)), of y padded by
+    ``pads`` with the taps flipped[first], flipped[first + step], ... (``count`` of them, step = s/g)
+    of the kernel flipped in that dim. See :func:`phase_taps` for the derivation.
+    """
+
+    first: int
+    step: int
+    count: int
+    pads: Pair
+    dilation: int
+
+
+def phase_taps(i: int, k: int, s: int, d: int, p_lo: int, o: int) -> tuple[PhaseTaps | None, ...]:
+    """For each phase rho = 0..s-1 of one dim of the big side, its taps, or None when no tap reaches it.
+
+    Row u = rho + s*b of x sits at m = u + p_lo in x_pad, whose gradient is the sum of y[j] w[t]
+    over j*s + t*d = m. Write m = phi + s*(b + e) with phi = (rho + p_lo) mod s, e = (rho + p_lo) div s.
+    Then t*d = phi (mod s): with g = gcd(s, d), S = s/g, D = d/g this needs g | phi and
+    t = t0 (mod S), t0 = (phi/g) * D^-1 (mod S); so t = t0 + S*q, q < count = ceil((k - t0)/S), and
+    j = b + e - c0 - q*D with c0 = (t0*d - phi)/s. Flipping q (q' = count-1-q, flipped tap
+    first + S*q', first = k-1-t0-S*(count-1)) turns this into a stride-1 conv with dilation D of y
+    padded by lo = c0 + (count-1)*D - e, and hi such that it yields ceil(i/s) rows. A phase is empty
+    when no tap reaches it, or when its window of y lies wholly in the padding.
+    """
+    g = math.gcd(s, d)
+    step, dil, rows = s // g, d // g, -(-i // s)
+    out: list[PhaseTaps | None] = []
+    for rho in range(s):
+        phi, e = (rho + p_lo) % s, (rho + p_lo) // s
+        t0 = (phi // g) * pow(dil, -1, step) % step if step > 1 else 0
+        count = -(-(k - t0) // step)
+        if phi % g or rho >= i or count < 1:
+            out.append(None)
+            continue
+        lo = (t0 * d - phi) // s + (count - 1) * dil - e
+        hi = rows + (count - 1) * dil - o - lo
+        out.append(None if -lo >= o or o + hi <= 0 else PhaseTaps(k - 1 - t0 - step * (count - 1), step, count,
+                                                                   (lo, hi), dil))
+    return tuple(out)
 
 
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) or type(v).__name__ in {"int64", "int32"}
+    return (isinstance(v, int) and not isinstance(v, bool)) or type(v).__name__ in {"int64", "int32"}
 
 
 def _ntuple(fn: str, name: str, value: Any, n: int, minimum: int) -> tuple[int, ...]:
@@ -314,6 +359,35 @@ class ConvSpec:
                      for o, k, s, d in zip(self.y_size, self.kernel_size, self.stride, self.dilation))
 
     @property
+    def kernel_extent(self) -> tuple[int, ...]:
+        """d(k-1) + 1 per dim: the span of x that one position of y reads (im2col's window)."""
+        return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation))
+
+    def tap_window(self, tap: Sequence[int]) -> tuple[slice, ...]:
+        """Slices of the read x (x_read_size) that kernel tap t meets at the o positions: t*d : t*d+(o-1)s+1 : s.
+
+        col2im adds the columns of tap t into exactly these slices.
+        """
+        return tuple(slice(t * d, t * d + (o - 1) * s + 1, s)
+                     for t, d, s, o in zip(tap, self.dilation, self.stride, self.y_size))
+
+    @property
+    def positions(self) -> int:
+        """P = prod(y_size): positions of the small side, the per-sample contraction length of grad_weight."""
+        return math.prod(self.y_size)
+
+    @property
+    def taps(self) -> int:
+        """T = prod(k): kernel taps."""
+        return math.prod(self.kernel_size)
+
+    def fit_output_size(self, output_size: Sequence[int]) -> ConvSpec:
+        """This transposed conv with the output_padding that yields output_size (ConvTranspose's output_size=)."""
+        op = tuple(want - (x - p) for want, x, p in zip(output_size, self.x_size, self.output_padding))
+        return ConvSpec.from_shapes(self.input_shape, self.weight_shape, self.stride, self.padding, self.dilation,
+                                    self.transposed, op, self.groups, fn=self.fn)
+
+    @property
     def symmetric_padding(self) -> tuple[int, ...]:
         """min(p_lo, p_hi) per dim: the part of the padding torch can express as one int."""
         return tuple(min(lo, hi) for lo, hi in self.padding)
@@ -322,6 +396,52 @@ class ConvSpec:
     def padding_excess(self) -> tuple[Pair, ...]:
         """Padding beyond symmetric_padding on each side, applied explicitly to the big side."""
         return tuple((lo - m, hi - m) for (lo, hi), m in zip(self.padding, self.symmetric_padding))
+
+    # ---- polyphase, sub-pixel and space-to-depth geometry ----------------------------
+    @property
+    def phase_rows(self) -> tuple[int, ...]:
+        """ceil(i/s) per dim: rows per phase of the big side; interleaving the s phases gives s*ceil(i/s) >= i."""
+        return tuple(-(-i // s) for i, s in zip(self.x_size, self.stride))
+
+    @property
+    def phases(self) -> tuple[tuple[PhaseTaps | None, ...], ...]:
+        """Per dim, for each phase rho = 0..s-1 of the big side, the taps that reach it (None: an empty phase).
+
+        At most s/gcd(s, d) phases per dim receive taps, so at most prod(s/g) of the prod(s) N-d phases.
+        """
+        return tuple(phase_taps(i, k, s, d, lo, o) for i, k, s, d, (lo, _), o in zip(
+            self.x_size, self.kernel_size, self.stride, self.dilation, self.padding, self.y_size))
+
+    @property
+    def subpixel_taps(self) -> tuple[tuple[int, Pair, tuple[int, ...]], ...] | None:
+        """Per dim (fused taps, pads of y, offset of each phase's taps): every phase in one conv (sub-pixel).
+
+        Each phase's taps are shifted by lo - lo_rho inside a common kernel of max(lo - lo_rho + count)
+        taps, and y is padded once by (lo, hi) with lo = max(lo_rho). None when some phase needs
+        dilation > 1 (d does not divide s) or a dim has no phase with taps (grad_input is then zero).
+        Empty phases get offset 0.
+        """
+        out = []
+        for rows, o, dim in zip(self.phase_rows, self.y_size, self.phases):
+            live = [p for p in dim if p is not None]
+            if not live or any(p.dilation != 1 for p in live):
+                return None
+            lo = max(p.pads[0] for p in live)
+            taps = max(lo - p.pads[0] + p.count for p in live)
+            offsets = tuple(0 if p is None else lo - p.pads[0] for p in dim)
+            out.append((taps, (lo, rows + taps - 1 - o - lo), offsets))
+        return tuple(out)
+
+    @property
+    def dilation_blocks(self) -> tuple[tuple[int, int], ...]:
+        """Per dim (U, M): blocks of d rows of the read x and of y for space-to-depth by the dilation d.
+
+        With stride 1, grad_weight[t] = sum_j x_read[t*d + j] y[j]; splitting j = d*m + phi makes it a
+        stride-1 conv of the d phases x_phi[u] = x_read[d*u + phi] (U = k - 1 + M blocks) with the
+        phases of y (M = ceil(o/d) blocks), phases folded into channels. y is zero-padded to M*d rows
+        and x_read to U*d rows.
+        """
+        return tuple((k - 1 + -(-o // d), -(-o // d)) for k, d, o in zip(self.kernel_size, self.dilation, self.y_size))
 
     def macs(self) -> int:
         """Multiply-accumulates of the forward conv (= of each of its two gradients)."""
@@ -385,7 +505,8 @@ def check_bias_sizes(fn: str, bias_sizes: Any, out_channels: int) -> None:
     """bias_sizes must be None or [C_out], as in aten.convolution_backward."""
     if bias_sizes is None:
         return
-    if not isinstance(bias_sizes, Sequence) or isinstance(bias_sizes, str) or list(bias_sizes) != [out_channels]:
+    if (not isinstance(bias_sizes, Sequence) or isinstance(bias_sizes, str) or list(bias_sizes) != [out_channels]
+            or not _is_int(bias_sizes[0])):  # [6.0] == [6] in Python
         raise ValueError(f"{fn}: bias_sizes={bias_sizes!r} must be None or [out_channels]=[{out_channels}]")
 
 
