@@ -307,10 +307,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         model: any ``torch.nn.Module``.
 
     Returns:
-        ``model`` itself.
-
-    Raises:
-        Nothing.
+        ``model`` itself; it raises nothing.
 
     Source: DESIGN.md, "Public API".
 

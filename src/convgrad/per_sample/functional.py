@@ -1,0 +1,197 @@
+"""Per-sample gradients of one convolution layer: weight, bias, and the norm of both.
+
+Arguments follow torch.nn.grad (input, weight_size, grad_output, stride, padding,
+dilation, groups), then the transposed-conv extras of aten.convolution_backward.
+The derivation is in docs/per_sample.md; the contractions are listed in
+:mod:`convgrad.per_sample.methods`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from convgrad.per_sample import methods
+from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
+
+__all__ = ["per_sample_bias_grad", "per_sample_grad_norms", "per_sample_weight_grad"]
+
+_METHODS = ("auto", "conv", "unfold", "ghost")
+
+
+def _check(fn: str, input: Any, weight_size: Any, grad_output: Any, stride: IntOrTuple, padding: PaddingArg,
+           dilation: IntOrTuple, groups: int, transposed: bool, output_padding: IntOrTuple,
+           method: str) -> tuple[ConvSpec, torch.Tensor, torch.Tensor]:
+    """Validate everything; return the spec and the (x, y) sides of its forward geometry."""
+    for name, t in (("input", input), ("grad_output", grad_output)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a real floating dtype")
+    if grad_output.dtype != input.dtype:
+        raise TypeError(f"{fn}: grad_output.dtype={grad_output.dtype} does not match input.dtype={input.dtype}")
+    if grad_output.device != input.device:
+        raise ValueError(f"{fn}: grad_output.device={grad_output.device} does not match input.device={input.device}")
+    if method not in _METHODS:
+        raise ValueError(f"{fn}: method={method!r} must be one of {_METHODS}")
+    if isinstance(weight_size, torch.Tensor) or not isinstance(weight_size, Sequence):
+        raise TypeError(f"{fn}: weight_size={weight_size!r} must be a sequence of ints such as torch.Size")
+    spec = ConvSpec.from_shapes(input.shape, tuple(weight_size), stride, padding, dilation, transposed,
+                                output_padding, groups, fn=fn)
+    if spec.unbatched:
+        raise ValueError(f"{fn}: input.shape={tuple(input.shape)} has no batch dim; per-sample gradients need "
+                         f"(N, C_in, *spatial)")
+    if tuple(grad_output.shape) != spec.output_shape:
+        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
+                         f"{spec.output_shape} of {spec.describe()}")
+    x, y = (grad_output, input) if spec.transposed else (input, grad_output)
+    return spec, x, y
+
+
+def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad_output: torch.Tensor,
+                           stride: IntOrTuple = 1, padding: PaddingArg = 0, dilation: IntOrTuple = 1,
+                           groups: int = 1, transposed: bool = False, output_padding: IntOrTuple = 0,
+                           method: str = "auto") -> torch.Tensor:
+    """The weight gradient of every sample separately: grad_weight without the sum over the batch.
+
+    Args:
+        input: ``(N, C_in, *spatial)``, real floating dtype.
+        weight_size: ``(C_out, C_in/groups, *k)``, or ``(C_in, C_out/groups, *k)`` when ``transposed``.
+        grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as input.
+        stride, dilation: int or N-tuple (default 1).
+        padding: int, N-tuple, N-tuple of ``(lo, hi)`` pairs, ``'same'`` or ``'valid'`` (default 0).
+        groups: int dividing both channel counts (default 1).
+        transposed: the layer is a transposed convolution (default False).
+        output_padding: int or N-tuple, transposed only (default 0).
+        method: ``"unfold"`` (im2col + one batched GEMM per group), ``"conv"`` (a grouped convolution
+            with the batch folded into the groups) or ``"auto"`` (default; the cost model of
+            :func:`per_sample_grad_norms`). ``"ghost"`` computes norms only and is refused here.
+
+    Returns:
+        ``(N, *weight_size)``, contiguous; summed over dim 0 it equals ``convgrad.conv_weight_grad``.
+
+    Raises:
+        TypeError: a non-tensor or a non-real-floating dtype, mismatched dtypes.
+        ValueError: invalid hyperparameters, shapes that do not fit, no batch dim, an unknown method or "ghost".
+
+    Source: docs/per_sample.md; the grouped-conv form is the fwdconv weight-gradient plan
+    (DESIGN.md) with the batch folded into the groups instead of being summed.
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> x, gy = torch.randn(5, 4, 8, 8), torch.randn(5, 6, 4, 4)
+        >>> gw = cg.per_sample_weight_grad(x, (6, 2, 3, 3), gy, stride=2, padding=1, groups=2)
+        >>> gw.shape
+        torch.Size([5, 6, 2, 3, 3])
+        >>> torch.allclose(gw.sum(0), cg.conv_weight_grad(x, (6, 2, 3, 3), gy, stride=2, padding=1, groups=2),
+        ...                atol=1e-4)
+        True
+    """
+    fn = "per_sample_weight_grad"
+    spec, x, y = _check(fn, input, weight_size, grad_output, stride, padding, dilation, groups, transposed,
+                        output_padding, method)
+    if method == "ghost":
+        raise ValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
+                         f"'unfold', 'conv' or 'auto'")
+    if method == "auto":
+        method = methods.choose_method(spec, norms=False)
+    return methods.weight_grad(spec, x, y, method)
+
+
+def per_sample_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of every sample: grad_output summed over its spatial dims only.
+
+    Args:
+        grad_output: ``(N, C_out, *spatial)``, real floating dtype; half precision accumulates in float32.
+
+    Returns:
+        ``(N, C_out)``, the dtype of grad_output.
+
+    Raises:
+        TypeError: grad_output is not a real floating tensor.
+        ValueError: grad_output has fewer than 2 dims.
+
+    Source: docs/per_sample.md ("bias").
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> cg.per_sample_bias_grad(torch.ones(2, 3, 4, 5))
+        tensor([[20., 20., 20.],
+                [20., 20., 20.]])
+    """
+    fn = "per_sample_bias_grad"
+    if not isinstance(grad_output, torch.Tensor) or not grad_output.is_floating_point():
+        raise TypeError(f"{fn}: grad_output must be a real floating torch.Tensor, got "
+                        f"{getattr(grad_output, 'dtype', type(grad_output).__name__)}")
+    if grad_output.dim() < 2:
+        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
+    dims = list(range(2, grad_output.dim()))
+    if not dims:
+        return grad_output.clone()
+    if grad_output.dtype in (torch.float16, torch.bfloat16):
+        return grad_output.sum(dims, dtype=torch.float32).to(grad_output.dtype)
+    return grad_output.sum(dims)
+
+
+def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_output: torch.Tensor,
+                          stride: IntOrTuple = 1, padding: PaddingArg = 0, dilation: IntOrTuple = 1,
+                          groups: int = 1, transposed: bool = False, output_padding: IntOrTuple = 0,
+                          bias: bool = True, method: str = "auto") -> torch.Tensor:
+    """The L2 norm of each sample's whole layer gradient (weight, and bias if present), exactly.
+
+    "ghost" never forms a per-sample gradient: with U = im2col(x) per group,
+    ``|gw[n]|² = Σ_g ⟨y[n]ᵀ y[n], U[n]ᵀ U[n]⟩``, one pair of P×P Gram matrices per group
+    (summing the Gram matrices over groups first, as BackPACK's BatchL2Grad does, adds the
+    cross-group terms and is wrong). "auto" picks per layer, with P = prod(out positions of
+    the small side), T = prod(k), g = groups and C_x, C_y the channels of the big and small
+    side (the input and output channels of a forward conv):
+
+    - time: materialising costs ``N·P·C_y·C_x·T/g`` MACs, the ghost norm ``N·P²·(C_y + C_x·T)``;
+      "ghost" is chosen iff ``P·g·(C_y + C_x·T) < C_y·C_x·T``, which also makes its memory
+      ``N·g·P²`` smaller than the gradients' ``N·C_y·C_x·T/g``.
+    - otherwise the gradients are materialised, chunk by chunk of the batch so that scratch space
+      stays under 2^22 elements: "unfold" copies ``N·C_x·T·P`` elements into an im2col buffer and
+      runs GEMMs whose output tile per (sample, group) is ``(C_y/g)×(C_x·T/g)``; when that tile has
+      fewer than 64 entries (depthwise-like layers, where such GEMMs are inefficient) "conv" is
+      chosen instead: one grouped convolution, no im2col buffer.
+
+    Args:
+        input, weight_size, grad_output, stride, padding, dilation, groups, transposed, output_padding:
+            as :func:`per_sample_weight_grad`.
+        bias: include the bias gradient ``grad_output`` summed over space (default True).
+        method: ``"auto"`` (default), ``"ghost"``, ``"unfold"`` or ``"conv"``.
+
+    Returns:
+        ``(N,)``, the dtype of input.
+
+    Raises:
+        TypeError, ValueError: as :func:`per_sample_weight_grad` (an unknown method included).
+
+    Source: docs/per_sample.md; Goodfellow, "Efficient per-example gradient computations" (2015);
+    Li et al., "Large language models can be strong differentially private learners" (ICLR 2022).
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> x, gy = torch.randn(3, 4, 6, 6), torch.randn(3, 6, 6, 6)
+        >>> ghost = cg.per_sample_grad_norms(x, (6, 2, 3, 3), gy, padding=1, groups=2, method="ghost")
+        >>> gw = cg.per_sample_weight_grad(x, (6, 2, 3, 3), gy, padding=1, groups=2)
+        >>> full = torch.cat([gw.flatten(1), cg.per_sample_bias_grad(gy)], 1).norm(dim=1)
+        >>> torch.allclose(ghost, full, rtol=1e-4)
+        True
+    """
+    fn = "per_sample_grad_norms"
+    spec, x, y = _check(fn, input, weight_size, grad_output, stride, padding, dilation, groups, transposed,
+                        output_padding, method)
+    if not isinstance(bias, bool):
+        raise TypeError(f"{fn}: bias={bias!r} must be a bool")
+    if method == "auto":
+        method = methods.choose_method(spec, norms=True)
+    if method == "ghost":
+        sq = methods.ghost_sq_norms(spec, x, y)
+    else:
+        sq = methods.materialised_sq_norms(spec, x, y, method)
+    if bias:
+        sq = sq + per_sample_bias_grad(grad_output).square().sum(1)
+    return sq.sqrt()

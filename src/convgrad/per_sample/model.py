@@ -1,0 +1,290 @@
+"""PerSampleGrads: per-sample gradients, norms and clipped sums for a whole model, with module hooks.
+
+How it hooks in, per supported module and forward call:
+    pre-hook      swap the trainable parameters for detached aliases, so that the
+                  module's own backward computes grad_input only (no batch-summed
+                  weight gradient that would be thrown away or recomputed);
+    forward hook  put the parameters back and pass the output through _Tap, an
+                  identity marked as in-place (so later in-place ops such as
+                  ReLU(inplace=True) stay legal) whose inputs are the output and
+                  the parameters;
+    _Tap backward receives grad_output, hands it with the saved input to the
+                  module's rule (:mod:`convgrad.per_sample.rules`) and returns, as
+                  the parameters' ordinary gradients, the sum of the per-sample
+                  ones (norms_only: none; clip_and_accumulate sets .grad).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from convgrad.per_sample.rules import Grads, Layer, rule_for
+
+__all__ = ["PerSampleGrads"]
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a module's output; its backward runs PerSampleGrads on grad_output (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, output: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.callback = callback
+        if output._base is not None:  # a view cannot be marked dirty
+            return output.clone()
+        ctx.mark_dirty(output)  # an in-place identity: later in-place ops on the output stay legal
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError("PerSampleGrads: backward with create_graph=True is not supported; per-sample "
+                               "gradients are not differentiable (run it outside the `with` block)")
+        return (None, grad_output, *ctx.callback(grad_output))
+
+
+_SUPPORTED = "Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn), Linear, GroupNorm, LayerNorm"
+
+
+@dataclass
+class _Record:
+    """What one module left in this backward: a squared norm and either the gradients or the means to them."""
+
+    sq: torch.Tensor | None = None  # (N,), norms_only
+    grads: Grads | None = None  # materialised per-sample gradients, norms_only
+    layer: Layer | None = None  # kept instead of gradients when that is smaller
+    calls: int = 0
+
+
+class PerSampleGrads:
+    """Context manager: per-sample gradients (``.grad_sample``), per-sample norms and clipped sums for DP-SGD.
+
+    Inside the ``with`` block, run the forward pass and ``loss.backward()``. Afterwards
+    every trainable parameter of every supported module has ``.grad_sample`` of shape
+    ``(N, *param.shape)``, as Opacus defines it: with ``loss_reduction="mean"`` (the loss
+    is a mean over the batch) the gradient of each sample's own loss, i.e. N times its
+    share of ``.grad``. A module called several times sums its calls, like ``.grad``.
+
+    The backward also sets the ordinary ``.grad``, as the sum of the per-sample gradients
+    (divided by N for "mean") instead of a separate batch-summed weight gradient: during the
+    forward the supported parameters are swapped for detached aliases (see the module doc).
+
+    With ``norms_only=True`` nothing is stored in ``.grad_sample`` and backward leaves the
+    ``.grad`` of the supported parameters untouched (DP-SGD replaces it anyway): each layer
+    keeps only its per-sample squared norms, computed by a ghost norm wherever that costs
+    fewer operations (see :func:`convgrad.per_sample_grad_norms`), plus the smaller of its
+    materialised per-sample gradients or its (input, grad_output) for clipping; then
+    :meth:`clip_and_accumulate` sets ``.grad``. Double backward (create_graph=True) through
+    a supported module is refused.
+
+    Args:
+        model: an ``nn.Module`` whose modules with trainable parameters are all supported:
+            Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn; any padding string,
+            padding_mode, groups, dilation, output_size), Linear, GroupNorm and LayerNorm.
+            Inputs are batch-first, batch 0 included.
+        loss_reduction: ``"sum"`` (default) or ``"mean"``, how the loss combines the samples.
+        norms_only: compute norms (and clipped sums) only (default False).
+
+    Raises:
+        TypeError: model is not an nn.Module, norms_only not a bool.
+        ValueError: an unknown loss_reduction; a module with trainable parameters and no rule
+            (its name and type are in the message), such as BatchNorm, which mixes the samples.
+
+    Source: docs/per_sample.md; Opacus's GradSampleModule (grad_sample's definition);
+    Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
+
+    Example:
+        >>> import torch, convgrad as cg
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding="same", padding_mode="circular"),
+        ...                             torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+        >>> x = torch.randn(5, 1, 6, 6)
+        >>> with cg.PerSampleGrads(model) as psg:
+        ...     model(x).square().sum().backward()
+        >>> model[0].weight.grad_sample.shape
+        torch.Size([5, 4, 1, 3, 3])
+        >>> psg.norms().shape
+        torch.Size([5])
+        >>> _ = psg.clip_and_accumulate(max_norm=1.0)  # .grad = Σ_n clipped per-sample gradient
+        >>> bool(model[2].weight.grad.norm() <= 5.0)
+        True
+    """
+
+    def __init__(self, model: nn.Module, loss_reduction: str = "sum", norms_only: bool = False) -> None:
+        fn = "PerSampleGrads"
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"{fn}: loss_reduction={loss_reduction!r} must be 'sum' or 'mean'")
+        if not isinstance(norms_only, bool):
+            raise TypeError(f"{fn}: norms_only={norms_only!r} must be a bool")
+        self.model, self.loss_reduction, self.norms_only = model, loss_reduction, norms_only
+        self._rules: dict[nn.Module, type[Layer]] = {}
+        self._trainable: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        for name, module in model.named_modules():
+            trainable = [k for k, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if not trainable:
+                continue
+            rule = rule_for(module)
+            if rule is None:
+                raise ValueError(f"{fn}: module {name or '(the model itself)'!r} ({type(module).__name__}) has "
+                                 f"trainable parameters {trainable} but no per-sample rule; supported: "
+                                 f"{_SUPPORTED}. Freeze it with requires_grad_(False) or replace it (BatchNorm mixes "
+                                 f"the samples of a batch; GroupNorm does not)")
+            self._rules[module] = rule
+            self._trainable[module] = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+        self._check_tied(fn)
+        self._handles: list[Any] = []
+        self._swapped: set[nn.Module] = set()
+        self._records: dict[nn.Module, _Record] = {}
+
+    def _check_tied(self, fn: str) -> None:
+        """norms_only keeps one squared norm per module, which cannot add up a parameter shared by two."""
+        owner: dict[int, nn.Module] = {}
+        names = {m: n for n, m in self.model.named_modules()}
+        for m, params in self._trainable.items():
+            for p in params.values():
+                other = owner.setdefault(id(p), m)
+                if other is not m and self.norms_only:
+                    raise ValueError(f"{fn}: modules {names[other]!r} and {names[m]!r} share a parameter; "
+                                     f"norms_only=True needs each parameter in one module (use norms_only=False)")
+
+    # ---- context --------------------------------------------------------------------------------
+    def __enter__(self) -> PerSampleGrads:
+        self.clear()
+        self._handles = [h for m in self._rules for h in (m.register_forward_pre_hook(self._pre_hook),
+                                                             m.register_forward_hook(self._forward_hook))]
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for m in list(self._swapped):  # a forward that raised between the two hooks
+            self._restore(m)
+
+    def clear(self) -> None:
+        """Forget every per-sample result: ``.grad_sample = None`` and no norms (called on entering)."""
+        self._records = {}
+        for p in self._params():
+            p.grad_sample = None  # type: ignore[attr-defined]
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for params in self._trainable.values() for p in params.values()]
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.is_grad_enabled():
+            for k, p in self._trainable[module].items():
+                module._parameters[k] = p.detach()  # type: ignore[assignment]
+            self._swapped.add(module)
+
+    def _restore(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        if module not in self._swapped:
+            return {}
+        self._swapped.discard(module)
+        module._parameters.update(self._trainable[module])
+        return self._trainable[module]
+
+    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        params = self._restore(module)
+        if not params or not isinstance(output, torch.Tensor) or not args:
+            return None
+        callback = functools.partial(self._backward, module, args[0].detach(), list(params))
+        return _Tap.apply(callback, output, *params.values())
+
+    def _backward(self, module: nn.Module, x: torch.Tensor, names: list[str],
+                  grad_output: torch.Tensor) -> list[torch.Tensor | None]:
+        scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
+        layer = self._rules[module](module, x, grad_output.detach(), scale)
+        if not self.norms_only:
+            grads = layer.grads()
+            for k, g in grads.items():
+                p = self._trainable[module][k]
+                p.grad_sample = g if getattr(p, "grad_sample", None) is None else p.grad_sample + g  # type: ignore
+            return [grads[k].sum(0).div_(scale) if k in grads else None for k in names]
+        rec = self._records.setdefault(module, _Record())
+        rec.calls += 1
+        if rec.calls > 1:  # a second call (or backward): norms do not add, gradients do
+            first = rec.grads if rec.grads is not None else rec.layer.grads()  # type: ignore[union-attr]
+            rec.grads = {k: first[k] + g for k, g in layer.grads().items()}
+            rec.layer, rec.sq = None, None
+        elif layer.ghost_cheaper:
+            rec.sq, rec.layer = layer.ghost_sq_norms(), layer
+        elif layer.grad_elements <= layer.state_elements:
+            rec.grads = layer.grads()
+        else:
+            rec.sq, rec.layer = layer.materialised_sq_norms(), layer
+        return [None] * len(names)
+
+    # ---- results --------------------------------------------------------------------------------
+    def _per_sample(self) -> list[tuple[nn.Module, Grads | None, Layer | None, torch.Tensor | None]]:
+        """(module, gradients, layer, squared norm) for every module that received a gradient."""
+        if not self.norms_only:
+            out = []
+            for m in self._rules:
+                gs = {k: p.grad_sample for k, p in m.named_parameters(recurse=False)
+                      if getattr(p, "grad_sample", None) is not None}
+                if gs:
+                    out.append((m, gs, None, None))
+            return out
+        return [(m, r.grads, r.layer, r.sq) for m, r in self._records.items()]
+
+    def norms(self) -> torch.Tensor:
+        """Per-sample L2 norms over the gradients of every supported parameter.
+
+        Returns:
+            ``(N,)``, the norm of each sample's whole gradient (every layer, weight and bias).
+
+        Raises:
+            RuntimeError: no per-sample gradient was recorded (no backward ran inside the context).
+        """
+        total = None
+        for _, grads, _, sq in self._per_sample():
+            if sq is None:
+                sq = sum(g.flatten(1).square().sum(1) for g in grads.values())  # type: ignore[union-attr]
+            total = sq if total is None else total + sq
+        if total is None:
+            raise RuntimeError("PerSampleGrads.norms: no per-sample gradient was recorded; run the forward pass "
+                               "and loss.backward() inside the `with PerSampleGrads(model)` block")
+        return total.sqrt()
+
+    def clip_and_accumulate(self, max_norm: float) -> torch.Tensor:
+        """Set each parameter's ``.grad`` to the sum over samples of its per-sample gradient clipped to max_norm.
+
+        Sample n is scaled by ``min(1, max_norm / (norm[n] + 1e-6))`` (Opacus's factor), with norm[n]
+        taken over the whole model. Where the gradients were not materialised (norms_only), each
+        layer makes one ordinary weight-gradient call (convgrad.conv_weight_grad, ...) on its
+        grad_output scaled per sample. ``.grad`` is replaced, not added to; parameters that
+        received no gradient get zeros. Add the noise and divide by the batch size yourself.
+
+        Args:
+            max_norm: the clipping bound C > 0.
+
+        Returns:
+            ``(N,)``, the per-sample norms before clipping.
+
+        Raises:
+            ValueError: max_norm is not positive. RuntimeError: as :meth:`norms`.
+        """
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
+            raise ValueError(f"PerSampleGrads.clip_and_accumulate: max_norm={max_norm!r} must be a positive number")
+        norms = self.norms()
+        factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # (N,)
+        done: set[int] = set()
+        for m, grads, layer, _ in self._per_sample():
+            params = dict(m.named_parameters(recurse=False))
+            summed = layer.clipped(factors) if grads is None else {  # type: ignore[union-attr]
+                k: torch.tensordot(factors.to(g.dtype), g, dims=1) for k, g in grads.items()}  # (*param.shape)
+            for k, g in summed.items():
+                params[k].grad = g
+                done.add(id(params[k]))
+        for p in self._params():
+            if id(p) not in done:
+                p.grad = torch.zeros_like(p)
+        return norms

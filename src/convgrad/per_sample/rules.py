@@ -1,0 +1,242 @@
+"""Per-layer rules of PerSampleGrads: one class per kind of module, registered on the module types.
+
+Every rule has the same constructor, ``Rule(module, input, grad_output, scale)``, and the
+same methods (see :class:`Layer`); new modules need a new rule, not an ``isinstance`` chain.
+``scale`` is N for loss_reduction="mean" (each sample's own loss gradient) and 1 for "sum".
+
+Contractions per sample n (P: positions, the dims between batch and features):
+    conv       see convgrad.per_sample.methods (forward geometry, per group)
+    Linear     gw[n] [out, in] = gy[n]ᵀ [out, P] · x[n] [P, in];   gb[n] = Σ_P gy[n]
+    GroupNorm  gγ[n] [C] = Σ_space gy[n] ⊙ x̂[n];                   gβ[n] = Σ_space gy[n]
+    LayerNorm  gγ[n] [*D] = Σ_P gy[n] ⊙ x̂[n];                      gβ[n] = Σ_P gy[n]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from convgrad._ops import pad
+from convgrad.functional import conv_bias_grad, conv_transpose_weight_grad, conv_weight_grad
+from convgrad.per_sample import methods
+from convgrad.per_sample.functional import per_sample_bias_grad
+from convgrad.spec import ConvSpec
+
+__all__ = ["RULES", "Layer", "rule_for"]
+
+Grads = dict[str, torch.Tensor]
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+class Layer:
+    """One call of a module, captured for its per-sample gradients."""
+
+    ghost_cheaper = False  # a ghost norm costs fewer MACs than materialising
+
+    def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
+        self.module, self.x, self.gy, self.scale = module, input, grad_output, scale
+
+    @property
+    def state_elements(self) -> int:
+        """Elements kept to compute the gradients later (the captured input and grad_output)."""
+        return self.x.numel() + self.gy.numel()
+
+    @property
+    def grad_elements(self) -> int:
+        """Elements of the materialised per-sample gradients."""
+        return self.x.shape[0] * sum(p.numel() for p in self.params().values())
+
+    def params(self) -> dict[str, nn.Parameter]:
+        return {k: p for k, p in self.module.named_parameters(recurse=False) if p.requires_grad}
+
+    def grads(self) -> Grads:
+        """Per-sample gradients {name: (N, *param.shape)}."""
+        raise NotImplementedError
+
+    def ghost_sq_norms(self) -> torch.Tensor:
+        """(N,) squared norms without forming the gradients; only rules with ghost_cheaper possible define it."""
+        raise NotImplementedError
+
+    def materialised_sq_norms(self) -> torch.Tensor:
+        """(N,) squared norms; rules with big gradients override this to work chunk by chunk."""
+        return sum(g.flatten(1).square().sum(1) for g in self.grads().values())  # type: ignore[return-value]
+
+    def clipped(self, factors: torch.Tensor) -> Grads:
+        """{name: Σ_n factors[n]·grad[n]}, with one ordinary (batch-summed) gradient call on a scaled grad_output."""
+        raise NotImplementedError
+
+    def _scaled_gy(self, factors: torch.Tensor) -> torch.Tensor:
+        return self.gy * (factors * self.scale).view(-1, *(1,) * (self.gy.dim() - 1))  # (N, ...)
+
+
+RULES: dict[type[nn.Module], type[Layer]] = {}
+
+
+def register(*types: type[nn.Module]) -> Callable[[type[Layer]], type[Layer]]:
+    def deco(cls: type[Layer]) -> type[Layer]:
+        RULES.update(dict.fromkeys(types, cls))
+        return cls
+    return deco
+
+
+def rule_for(module: nn.Module) -> type[Layer] | None:
+    """The rule of the module's type: torch's own classes, convgrad.nn's subclasses, and subclasses that keep
+    the base forward. A subclass with its own forward is refused: its gradients may not follow the rule."""
+    for base in type(module).__mro__:
+        if base in RULES:
+            own = type(module).forward is base.forward or type(module).__module__.startswith("convgrad.")
+            return RULES[base] if own else None
+    return None
+
+
+@register(*_CONVS)
+class ConvLayer(Layer):
+    """Conv1d/2d/3d and ConvTranspose1d/2d/3d: any padding string or padding_mode, groups, dilation."""
+
+    def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
+        m: nn.modules.conv._ConvNd = module  # type: ignore[assignment]
+        nd = len(m.kernel_size)
+        if input.dim() == nd + 1:  # unbatched: one sample
+            input, grad_output = input.unsqueeze(0), grad_output.unsqueeze(0)  # (1, C, *spatial)
+        fn = f"PerSampleGrads({type(m).__name__})"
+        w = tuple(m.weight.shape)
+        if m.transposed:
+            spec = ConvSpec.from_shapes(input.shape, w, m.stride, m.padding, m.dilation, True, m.output_padding,
+                                        m.groups, fn=fn)
+            if spec.output_shape != tuple(grad_output.shape):  # forward(input, output_size=...) was used
+                spec = spec.fit_output_size(grad_output.shape[2:])
+        else:
+            spec = ConvSpec.from_shapes(input.shape, w, m.stride, m.padding, m.dilation, groups=m.groups, fn=fn)
+            if m.padding_mode != "zeros":  # torch pads the input with the mode, then convolves unpadded
+                input = pad(input, spec.padding, mode=m.padding_mode)  # (N, C_in, *(i+lo+hi))
+                spec = ConvSpec.from_shapes(input.shape, w, m.stride, 0, m.dilation, groups=m.groups, fn=fn)
+        super().__init__(m, input, grad_output, scale)
+        self.spec = spec
+        self.sides = (grad_output, input) if spec.transposed else (input, grad_output)
+        self.has_bias = m.bias is not None and m.bias.requires_grad
+        self.has_weight = m.weight.requires_grad
+        self.ghost_cheaper = methods.choose_method(spec, norms=True) == "ghost"
+
+    def _bias(self) -> Grads:
+        return {"bias": per_sample_bias_grad(self.gy) * self.scale} if self.has_bias else {}
+
+    def grads(self) -> Grads:
+        out = self._bias()
+        if self.has_weight:
+            gw = methods.weight_grad(self.spec, *self.sides, methods.choose_method(self.spec, norms=False))
+            out["weight"] = gw.mul_(self.scale) if self.scale != 1 else gw
+        return out
+
+    def _sq(self, weight_sq: Callable[[], torch.Tensor]) -> torch.Tensor:
+        sq = weight_sq() * self.scale**2 if self.has_weight else self.x.new_zeros(self.spec.batch)
+        return sq + self._bias()["bias"].square().sum(1) if self.has_bias else sq
+
+    def ghost_sq_norms(self) -> torch.Tensor:
+        return self._sq(lambda: methods.ghost_sq_norms(self.spec, *self.sides))
+
+    def materialised_sq_norms(self) -> torch.Tensor:
+        method = methods.choose_method(self.spec, norms=False)
+        return self._sq(lambda: methods.materialised_sq_norms(self.spec, *self.sides, method))
+
+    def clipped(self, factors: torch.Tensor) -> Grads:
+        s, gy = self.spec, self._scaled_gy(factors)  # (N, C_out, *out)
+        out = {"bias": conv_bias_grad(gy)} if self.has_bias else {}
+        if not self.has_weight:
+            return out
+        w = self.module.weight.shape
+        if s.transposed:
+            out["weight"] = conv_transpose_weight_grad(self.x, w, gy, s.stride, s.padding, s.output_padding,
+                                                                s.groups, s.dilation)
+        else:
+            out["weight"] = conv_weight_grad(self.x, w, gy, s.stride, s.padding, s.dilation, s.groups)
+        return out
+
+
+@register(nn.Linear)
+class LinearLayer(Layer):
+    """nn.Linear on (N, *, in): the dims between batch and features are positions P."""
+
+    def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
+        if input.dim() == 1:  # unbatched: one sample
+            input, grad_output = input.unsqueeze(0), grad_output.unsqueeze(0)  # (1, in), (1, out)
+        super().__init__(module, input, grad_output, scale)
+        n, d_in, d_out = input.shape[0], input.shape[-1], grad_output.shape[-1]
+        p = math.prod(input.shape[1:-1])  # not -1 in the reshapes: batch 0 leaves it undetermined
+        self.x3 = input.reshape(n, p, d_in)  # (N, P, in)
+        self.gy3 = grad_output.reshape(n, p, d_out)  # (N, P, out)
+        self.ghost_cheaper = p * (d_in + d_out) < d_in * d_out
+        self.has_bias = module.bias is not None and module.bias.requires_grad
+        self.has_weight = module.weight.requires_grad
+
+    def grads(self) -> Grads:
+        out = {"bias": self.gy3.sum(1) * self.scale} if self.has_bias else {}  # (N, out)
+        if self.has_weight:
+            out["weight"] = torch.bmm(self.gy3.transpose(1, 2), self.x3).mul_(self.scale)  # (N, out, in)
+        return out
+
+    def ghost_sq_norms(self) -> torch.Tensor:
+        if self.x3.shape[1] == 1:  # |gy xᵀ|² = |gy|²|x|²
+            sq = self.x3.square().sum((1, 2)) * self.gy3.square().sum((1, 2))
+        else:
+            sq = torch.linalg.vecdot((self.x3 @ self.x3.transpose(1, 2)).flatten(1),
+                                     (self.gy3 @ self.gy3.transpose(1, 2)).flatten(1))  # <(N,P,P), (N,P,P)>
+        sq = sq * self.scale**2 if self.has_weight else torch.zeros_like(sq)
+        return sq + (self.gy3.sum(1) * self.scale).square().sum(1) if self.has_bias else sq
+
+    def clipped(self, factors: torch.Tensor) -> Grads:
+        gy = self._scaled_gy(factors).reshape(-1, self.gy.shape[-1])  # (N·P, out)
+        out = {"bias": gy.sum(0)} if self.has_bias else {}
+        if self.has_weight:
+            out["weight"] = gy.T @ self.x.reshape(-1, self.x.shape[-1])  # (out, in)
+        return out
+
+
+class _NormLayer(Layer):
+    """Affine parameters of a normalisation over each sample alone: x̂ is recomputed from the input."""
+
+    def _normalised(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _sum_dims(self) -> list[int]:
+        raise NotImplementedError
+
+    def grads(self) -> Grads:
+        m, dims = self.module, self._sum_dims()
+
+        def total(t: torch.Tensor) -> torch.Tensor:  # an empty dim list would make sum() reduce everything
+            return (t.sum(dims) if dims else t) * self.scale  # (N, *param.shape)
+
+        out = {}
+        if m.weight is not None and m.weight.requires_grad:
+            out["weight"] = total(self.gy * self._normalised())
+        if m.bias is not None and m.bias.requires_grad:
+            out["bias"] = total(self.gy)
+        return out
+
+    def clipped(self, factors: torch.Tensor) -> Grads:
+        return {k: (g * factors.view(-1, *(1,) * (g.dim() - 1))).sum(0) for k, g in self.grads().items()}
+
+
+@register(nn.GroupNorm)
+class GroupNormLayer(_NormLayer):
+    def _normalised(self) -> torch.Tensor:
+        m: nn.GroupNorm = self.module  # type: ignore[assignment]
+        return F.group_norm(self.x, m.num_groups, None, None, m.eps)  # (N, C, *spatial)
+
+    def _sum_dims(self) -> list[int]:
+        return list(range(2, self.x.dim()))
+
+
+@register(nn.LayerNorm)
+class LayerNormLayer(_NormLayer):
+    def _normalised(self) -> torch.Tensor:
+        m: nn.LayerNorm = self.module  # type: ignore[assignment]
+        return F.layer_norm(self.x, m.normalized_shape, None, None, m.eps)  # (N, *, *D)
+
+    def _sum_dims(self) -> list[int]:
+        return list(range(1, self.x.dim() - len(self.module.normalized_shape)))
+

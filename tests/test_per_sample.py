@@ -1,0 +1,349 @@
+"""Per-sample gradients, norms and clipped sums, float64, against a loop over single samples and torch.func."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+import convgrad as cg
+from convgrad.per_sample import methods
+from helpers import TOL, Case, assert_matches_autograd, make_tensors, reference_forward, reference_grads
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """The tensors here are tiny: a second thread only adds synchronisation (and waits on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel:UserWarning")
+
+
+# ---- layer level ---------------------------------------------------------------------------------------------------
+def _case(name: str, cin: int, cout: int, size: tuple[int, ...], k: tuple[int, ...], batch: int = 3,
+          transposed: bool = False, **kw: object) -> Case:
+    g = int(kw.get("groups", 1))  # type: ignore[call-overload]
+    weight = (cin, cout // g, *k) if transposed else (cout, cin // g, *k)
+    return Case((batch, cin, *size), weight, transposed=transposed, name=name, **kw)  # type: ignore[arg-type]
+
+
+LAYER_CASES = [
+    _case("groups2-cin4-cout6", 4, 6, (7, 6), (3, 3), groups=2, stride=2, padding=1),
+    _case("depthwise", 4, 4, (6, 6), (3, 3), groups=4, padding=1),
+    _case("depthwise-multiplier-1d", 3, 6, (9,), (3,), groups=3, stride=2),
+    _case("kernel3x1-padding1x0", 2, 3, (6, 5), (3, 1), padding=(1, 0)),
+    _case("same-even-kernel", 2, 3, (7, 6), (4, 2), padding="same"),
+    _case("dilation2-stride2", 2, 4, (9, 8), (3, 3), stride=2, dilation=2, padding=1),
+    _case("3d-groups2-padding-ge-kernel", 4, 2, (3, 4, 3), (2, 2, 2), groups=2, padding=2, stride=(1, 2, 1)),
+    _case("asym-padding-leftover", 3, 3, (8, 7), (2, 3), stride=3, padding=((0, 2), (1, 0)), groups=3),
+    _case("T-output-padding-groups2", 4, 6, (3, 4), (3, 2), transposed=True, stride=2, padding=1,
+          output_padding=1, groups=2),
+    _case("T-dilation3-op2", 2, 3, (3,), (3,), transposed=True, stride=2, dilation=3, output_padding=2),
+    _case("batch1", 2, 3, (5, 5), (3, 3), batch=1, padding=1),
+    _case("batch0", 2, 3, (5, 5), (3, 3), batch=0, stride=2),
+]
+
+
+def _loop_reference(case: Case, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-sample grad_weight and grad_bias by torch autograd, one sample at a time."""
+    n = case.input_shape[0]
+    one = dataclasses.replace(case, input_shape=(1, *case.input_shape[1:]))
+    grads = [reference_grads(one, {**t, "input": t["input"][i:i + 1], "grad_output": t["grad_output"][i:i + 1]})
+             for i in range(n)]
+    spec = case.spec()
+    if n == 0:
+        return {"grad_weight": t["input"].new_zeros(0, *case.weight_shape),
+                "grad_bias": t["input"].new_zeros(0, spec.out_channels)}
+    return {k: torch.stack([g[k] for g in grads]) for k in ("grad_weight", "grad_bias")}
+
+
+def _vmap_reference(case: Case, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-sample grad_weight and grad_bias by torch.func: vmap over grad of <forward(x_n), grad_output_n>."""
+    one = dataclasses.replace(case, input_shape=(1, *case.input_shape[1:]))
+
+    def inner(w: torch.Tensor, b: torch.Tensor, x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
+        return (reference_forward(one, x.unsqueeze(0), w, b) * gy.unsqueeze(0)).sum()
+
+    gw, gb = vmap(grad(inner, argnums=(0, 1)), in_dims=(None, None, 0, 0))(t["weight"], t["bias"], t["input"],
+                                                                          t["grad_output"])
+    return {"grad_weight": gw, "grad_bias": gb}
+
+
+def _kw(case: Case) -> dict[str, object]:
+    return dict(stride=case.stride, padding=case.padding, dilation=case.dilation, groups=case.groups,
+                transposed=case.transposed, output_padding=case.output_padding)
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=str)
+def test_per_sample_weight_and_bias_grads_match_loop_and_vmap(case: Case) -> None:
+    t = make_tensors(case)
+    refs = [_loop_reference(case, t)] + ([_vmap_reference(case, t)] if case.input_shape[0] else [])
+    for method in ("unfold", "conv", "auto"):
+        ours = {"grad_weight": cg.per_sample_weight_grad(t["input"], case.weight_shape, t["grad_output"],
+                                                         method=method, **_kw(case)),
+                "grad_bias": cg.per_sample_bias_grad(t["grad_output"])}
+        for ref, source in zip(refs, ("loop", "vmap"), strict=False):
+            assert_matches_autograd(ours, ref, DT, f"{case} method={method} vs {source}")
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=str)
+def test_per_sample_grad_norms_match_loop_for_every_method(case: Case) -> None:
+    t = make_tensors(case)
+    ref = _loop_reference(case, t)
+    expected = torch.cat([ref["grad_weight"].flatten(1), ref["grad_bias"]], 1).norm(dim=1)
+    no_bias = ref["grad_weight"].flatten(1).norm(dim=1)
+    for method in ("ghost", "unfold", "conv", "auto"):
+        got = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], method=method, **_kw(case))
+        torch.testing.assert_close(got, expected, **TOL[DT], msg=lambda m, k=method: f"{case} {k}: {m}")
+        got = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], bias=False, method=method,
+                                       **_kw(case))
+        torch.testing.assert_close(got, no_bias, **TOL[DT], msg=lambda m, k=method: f"{case} {k} no bias: {m}")
+
+
+def test_ghost_norm_keeps_groups_apart_backpack_batchl2grad_bug() -> None:
+    """BackPACK's BatchL2Grad sums the Gram matrices over groups before the inner product; that is wrong."""
+    case = _case("groups2", 4, 4, (6, 6), (3, 3), groups=2, padding=1, batch=2)
+    t = make_tensors(case, seed=3)
+    spec = case.spec()
+    ghost = methods.ghost_sq_norms(spec, t["input"], t["grad_output"])
+    materialised = _loop_reference(case, t)["grad_weight"].flatten(1).square().sum(1)
+    torch.testing.assert_close(ghost, materialised, **TOL[DT])
+    u = methods.im2col(spec, t["input"])  # (N, g, C_in/g·T, P)
+    yr = t["grad_output"].reshape(2, 2, 2, -1)  # (N, g, C_out/g, P)
+    summed = torch.einsum("ngcp,ngcq->npq", u, u) * torch.einsum("ngcp,ngcq->npq", yr, yr)  # Gram summed over g
+    assert not torch.allclose(summed.sum((1, 2)), materialised, rtol=1e-3)
+
+
+@pytest.mark.parametrize("case", [c for c in LAYER_CASES if c.input_shape[0]][:6], ids=str)
+def test_auto_choice_follows_the_stated_cost_model(case: Case) -> None:
+    s = case.spec()
+    p, t, g, cx, cy = s.positions, s.taps, s.groups, s.x_channels, s.y_channels
+    ghost = p * p * (cy + cx * t) < p * cy * cx * t // g
+    assert (methods.choose_method(s, norms=True) == "ghost") == ghost
+    assert methods.choose_method(s, norms=False) == ("conv" if cy * cx * t < methods.MIN_TILE * g * g else "unfold")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    (dict(method="ghost"), ValueError, "norms only"),
+    (dict(method="im2col"), ValueError, "method='im2col'"),
+    (dict(input=torch.randn(2, 5, 5, dtype=DT)), ValueError, "no batch dim"),
+    (dict(grad_output=torch.randn(2, 3, 4, 4, dtype=DT)), ValueError, "grad_output.shape"),
+    (dict(grad_output=torch.randn(2, 3, 3, 3)), TypeError, "dtype"),
+    (dict(input=torch.randint(0, 3, (2, 2, 5, 5))), TypeError, "dtype"),
+])
+def test_per_sample_weight_grad_refuses_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    args = dict(input=torch.randn(2, 2, 5, 5, dtype=DT), weight_size=(3, 2, 3, 3),
+                grad_output=torch.randn(2, 3, 3, 3, dtype=DT))
+    with pytest.raises(error, match=match):
+        cg.per_sample_weight_grad(**{**args, **kwargs})
+
+
+# ---- model level -----------------------------------------------------------------------------------------------------
+class Mixed(nn.Module):
+    """Every supported module kind, the awkward settings included."""
+
+    def __init__(self, padding_mode: str = "zeros") -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, (4, 2), padding="same", padding_mode=padding_mode)
+        self.gn = nn.GroupNorm(2, 4)
+        self.c2 = nn.Conv2d(4, 6, (3, 1), padding=(1, 0), groups=2, padding_mode=padding_mode)
+        self.c3 = nn.Conv2d(6, 6, 3, stride=2, dilation=2, padding=2, groups=6, bias=False)
+        self.t1 = nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.ln = nn.LayerNorm(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.gn(self.c1(x)))
+        h = self.c3(torch.relu_(self.c2(h)))  # in place on a hooked output
+        h = self.t1(h, output_size=[h.shape[2] * 2 - 1, h.shape[3] * 2])  # output_size overrides output_padding
+        h = self.ln(h.permute(0, 2, 3, 1))  # (N, H, W, 4): positions before features
+        return self.fc(h).mean((1, 2))
+
+
+class Conv3dNet(nn.Module):
+    def __init__(self, padding_mode: str = "zeros") -> None:
+        super().__init__()
+        self.c = nn.Conv3d(4, 2, 2, padding=2, groups=2, padding_mode=padding_mode)
+        self.t = nn.ConvTranspose1d(2, 2, 3, stride=2, output_padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.t(self.c(x).flatten(2)).sum(2)
+
+
+def _loss(out: torch.Tensor, reduction: str) -> torch.Tensor:
+    per_sample = (out * torch.linspace(-1, 1, out.shape[1], dtype=out.dtype)).sum(1) + out.square().sum(1)
+    return per_sample.mean() if reduction == "mean" else per_sample.sum()
+
+
+def _model_references(model: nn.Module, x: torch.Tensor, use_vmap: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Per-sample gradients of each sample's own loss: a loop, and torch.func vmap over grad."""
+    loop = {k: [] for k, _ in model.named_parameters()}
+    for i in range(x.shape[0]):
+        grads = torch.autograd.grad(_loss(model(x[i:i + 1]), "sum"), list(model.parameters()))
+        for (k, _), g in zip(model.named_parameters(), grads, strict=True):
+            loop[k].append(g)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    if x.shape[0] == 0:
+        return [{k: p.new_zeros(0, *p.shape) for k, p in params.items()}]
+    out = [{k: torch.stack(v) for k, v in loop.items()}]
+    if not use_vmap:
+        return out
+    per = vmap(grad(lambda p, xi: _loss(functional_call(model, p, (xi.unsqueeze(0),)), "sum")), in_dims=(None, 0))
+    out.append(per(params, x))
+    return out
+
+
+MODELS = [("mixed-zeros", lambda: Mixed(), (4, 2, 7, 6)), ("mixed-reflect", lambda: Mixed("reflect"), (3, 2, 7, 6)),
+          ("mixed-circular", lambda: Mixed("circular"), (3, 2, 7, 6)),
+          ("conv3d-groups-padding-ge-kernel", lambda: Conv3dNet(), (3, 4, 3, 2, 3)),
+          ("conv3d-replicate", lambda: Conv3dNet("replicate"), (2, 4, 3, 2, 3)),
+          ("batch1", lambda: Mixed("circular"), (1, 2, 7, 6)), ("batch0", lambda: Conv3dNet(), (0, 4, 3, 2, 3)),
+          ("batch0-mixed", lambda: Mixed("reflect"), (0, 2, 7, 6))]
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize(("name", "make", "shape"), MODELS, ids=[m[0] for m in MODELS])
+def test_grad_sample_matches_loop_and_vmap(name: str, make, shape: tuple[int, ...], reduction: str) -> None:
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = torch.randn(shape, dtype=DT)
+    refs = _model_references(model, x)
+    with cg.PerSampleGrads(model, loss_reduction=reduction) as psg:
+        _loss(model(x), reduction).backward()
+    ours = {k: p.grad_sample for k, p in model.named_parameters()}
+    for ref, source in zip(refs, ("loop", "vmap"), strict=False):
+        assert_matches_autograd(ours, ref, DT, f"{name} {reduction} vs {source}")
+    ordinary = {k: p.grad for k, p in model.named_parameters()}  # backward still yields the ordinary .grad
+    expected = {k: g.sum(0) / (max(shape[0], 1) if reduction == "mean" else 1) for k, g in refs[0].items()}
+    if shape[0]:
+        assert_matches_autograd(ordinary, expected, DT, f"{name} {reduction} .grad")
+    norms = torch.cat([g.flatten(1) for g in refs[0].values()], 1).norm(dim=1)
+    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize(("name", "make", "shape"), MODELS[:4], ids=[m[0] for m in MODELS[:4]])
+def test_norms_only_and_clip_and_accumulate_match_materialised(name: str, make, shape: tuple[int, ...],
+                                                               reduction: str) -> None:
+    torch.manual_seed(1)
+    model = make().to(DT)
+    x = torch.randn(shape, dtype=DT)
+    with cg.PerSampleGrads(model, loss_reduction=reduction) as full:
+        _loss(model(x), reduction).backward()
+    grads = {k: p.grad_sample.clone() for k, p in model.named_parameters()}
+    norms = full.norms()
+    max_norm = float(norms.median())  # clips some samples and not others
+    factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    expected = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
+    full.clip_and_accumulate(max_norm)  # the materialised path
+    assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, f"{name} clipped full")
+    with cg.PerSampleGrads(model, loss_reduction=reduction, norms_only=True) as psg:
+        _loss(model(x), reduction).backward()
+    assert all(p.grad_sample is None for p in model.parameters())
+    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+    psg.clip_and_accumulate(max_norm)  # one weight-gradient call per layer where nothing was materialised
+    assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, f"{name} clipped")
+
+
+def test_norms_only_on_an_empty_batch_gives_zero_gradients() -> None:
+    model = Mixed("circular").to(DT)
+    with cg.PerSampleGrads(model, norms_only=True) as psg:
+        _loss(model(torch.randn(0, 2, 7, 6, dtype=DT)), "sum").backward()
+    assert psg.clip_and_accumulate(1.0).shape == (0,)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_ghost_paths_run_on_layers_where_ghost_is_cheaper() -> None:
+    """Deep, small-spatial layers take the ghost path in norms_only mode, and still match."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(8, 64, 3, groups=2), nn.ReLU(), nn.Conv2d(64, 32, 2, groups=2),
+                          nn.Flatten(1), nn.Unflatten(1, (2, 16)), nn.Linear(16, 40), nn.Flatten(1)).to(DT)
+    x = torch.randn(3, 8, 4, 4, dtype=DT)
+    specs = [cg.ConvSpec.from_shapes((3, 8, 4, 4), (64, 4, 3, 3), groups=2),
+             cg.ConvSpec.from_shapes((3, 64, 2, 2), (32, 32, 2, 2), groups=2)]
+    assert all(methods.choose_method(s, norms=True) == "ghost" for s in specs)
+    ref = torch.cat([g.flatten(1) for g in _model_references(model, x)[0].values()], 1).norm(dim=1)
+    with cg.PerSampleGrads(model, norms_only=True) as psg:
+        _loss(model(x), "sum").backward()
+    torch.testing.assert_close(psg.norms(), ref, **TOL[DT])
+
+
+def test_a_module_called_twice_sums_its_calls() -> None:
+    torch.manual_seed(3)
+    conv = nn.Conv1d(2, 2, 3, padding=1).to(DT)
+    model = nn.Sequential(conv, nn.Tanh(), conv, nn.Flatten(1))
+    x = torch.randn(3, 2, 5, dtype=DT)
+    ref = _model_references(model, x, use_vmap=False)[0]  # functional_call leaves a shared module's tensors swapped
+    for norms_only in (False, True):
+        with cg.PerSampleGrads(model, norms_only=norms_only) as psg:
+            _loss(model(x), "sum").backward()
+        expected = torch.cat([ref["0.weight"].flatten(1), ref["0.bias"]], 1).norm(dim=1)
+        torch.testing.assert_close(psg.norms(), expected, **TOL[DT])
+        if not norms_only:
+            assert_matches_autograd({"w": conv.weight.grad_sample}, {"w": ref["0.weight"]}, DT, "shared conv")
+
+
+def test_unsupported_module_is_refused_by_name() -> None:
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.BatchNorm2d(2)))
+    with pytest.raises(ValueError, match=r"'1\.0' \(BatchNorm2d\)"):
+        cg.PerSampleGrads(model)
+    model[1][0].requires_grad_(False)  # frozen: nothing to compute, accepted
+    cg.PerSampleGrads(model)
+
+
+def test_subclass_with_its_own_forward_is_refused() -> None:
+    class Scaled(nn.Conv2d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    with pytest.raises(ValueError, match="Scaled"):
+        cg.PerSampleGrads(nn.Sequential(Scaled(1, 1, 1)))
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_convgrad_nn_modules_and_patched_models_are_supported(padding_mode: str) -> None:
+    cgnn = pytest.importorskip("convgrad.nn")
+    if not hasattr(cgnn, "Conv2d") or not hasattr(cg, "patch"):
+        pytest.skip("convgrad.nn is not available")
+    torch.manual_seed(4)
+    x = torch.randn(3, 2, 6, 6, dtype=DT)
+    built = Mixed(padding_mode).to(DT)
+    patched = Mixed(padding_mode).to(DT)
+    cg.patch(patched)  # every conv becomes a convgrad.nn subclass, same Parameters
+    assert isinstance(patched.c1, cgnn.Conv2d) and isinstance(patched.t1, cgnn.ConvTranspose2d)
+    built.c1 = cgnn.Conv2d(2, 4, (4, 2), padding="same", padding_mode=padding_mode, backend="fwdconv").to(DT)
+    built.t1 = cgnn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1, groups=2).to(DT)
+    for model in (built, patched):
+        refs = _model_references(model, x, use_vmap=False)
+        with cg.PerSampleGrads(model):
+            _loss(model(x), "sum").backward()
+        assert_matches_autograd({k: p.grad_sample for k, p in model.named_parameters()}, refs[0], DT,
+                                f"convgrad.nn {padding_mode}")
+
+
+def test_bad_arguments_and_misuse_are_refused() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="loss_reduction='avg'"):
+        cg.PerSampleGrads(model, loss_reduction="avg")
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
+        cg.PerSampleGrads(lambda x: x)  # type: ignore[arg-type]
+    psg = cg.PerSampleGrads(model)
+    with pytest.raises(RuntimeError, match="no per-sample gradient"):
+        psg.norms()
+    with psg:
+        model(torch.randn(2, 2)).sum().backward()
+    with pytest.raises(ValueError, match="max_norm=0"):
+        psg.clip_and_accumulate(0)
+    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="share a parameter"):
+        cg.PerSampleGrads(tied, norms_only=True)
