@@ -17,8 +17,12 @@ def pad(t: torch.Tensor, pairs: Sequence[Pair], mode: str = "constant") -> torch
     if not any(lo or hi for lo, hi in pairs):
         return t
     flat = [v for lo, hi in reversed(pairs) for v in (lo, hi)]  # F.pad wants the last dim first
-    if mode == "constant" and all(v <= 0 for v in flat):
-        return t[(..., *(slice(-lo, t.shape[-len(pairs) + j] + hi) for j, (lo, hi) in enumerate(pairs)))]
+    if mode == "constant" and any(v < 0 for v in flat):
+        # pad first, then crop: a crop on one side may exceed the input when the other side's pad makes room
+        if any(v > 0 for v in flat):
+            t = pad(t, [(max(lo, 0), max(hi, 0)) for lo, hi in pairs])
+        n = len(pairs)
+        return t[(..., *(slice(max(-lo, 0), t.shape[j - n] - max(-hi, 0)) for j, (lo, hi) in enumerate(pairs)))]
     return F.pad(t, flat, mode=mode)
 
 

@@ -20,8 +20,16 @@ from convgrad.functional import _check_tensors
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
 __all__ = [
-    "ConvFunction", "conv", "conv_transpose", "conv1d", "conv2d", "conv3d",
-    "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "no_weight_gradients",
+    "ConvFunction",
+    "conv",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "no_weight_gradients",
 ]
 
 _weight_gradients_disabled = 0
@@ -51,8 +59,20 @@ def no_weight_gradients() -> Iterator[None]:
         _weight_gradients_disabled -= 1
 
 
-class ConvFunction(torch.autograd.Function):
-    """conv / conv_transpose (per ``spec.transposed``) with a native forward and an explicit backward."""
+def _same_layout(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """grad in like's channels_last layout when like has it, as torch's own conv gradients are."""
+    if grad is None or grad.dim() not in (4, 5):
+        return grad
+    fmt = torch.channels_last if grad.dim() == 4 else torch.channels_last_3d
+    if like.is_contiguous(memory_format=fmt) and not like.is_contiguous():
+        return grad.contiguous(memory_format=fmt)
+    return grad
+
+
+class _ConvCore(torch.autograd.Function):
+    """The Function torch.compile traces: Dynamo refuses Functions that define ``jvp`` (see ConvFunction)."""
+
+    generate_vmap_rule = True  # forward and backward are vmap-able torch ops
 
     @staticmethod
     def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec,
@@ -78,22 +98,69 @@ class ConvFunction(torch.autograd.Function):
                                    f"(create_graph=True) needs backend='fwdconv', 'gemm' or 'native'")
             gi, gw = backend.backward(ctx.spec, grad_output, input, weight, need_input, need_weight)
         gb = bias_grad(grad_output) if need_bias else None
-        return gi, gw, gb, None, None
+        return _same_layout(gi, input), _same_layout(gw, weight), gb, None, None
+
+
+class ConvFunction(_ConvCore):
+    """conv / conv_transpose (per ``spec.transposed``) with a native forward and an explicit backward.
+
+    ``apply(input, weight, bias, spec, backend)`` with batched tensors and a :class:`ConvSpec`.
+    torch.func.vmap uses the generated rule; forward-mode AD (torch.func.jvp) uses the bilinearity
+    of the convolution. Under torch.compile, :func:`conv` applies the jvp-free parent instead.
+    """
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        _ConvCore.setup_context(ctx, inputs, output)
+        ctx.save_for_forward(*inputs[:2])
+
+    @staticmethod
+    def jvp(ctx: Any, input_t: torch.Tensor | None, weight_t: torch.Tensor | None, bias_t: torch.Tensor | None,
+            *_: Any) -> torch.Tensor:
+        # conv is bilinear in (input, weight) and affine in bias: d conv = conv(dx, w) + conv(x, dw) + db
+        input, weight = ctx.saved_tensors
+        input_t = torch.zeros_like(input) if input_t is None else input_t
+        tangent = native_forward(ctx.spec, input_t, weight, bias_t)
+        if weight_t is not None:
+            tangent = tangent + native_forward(ctx.spec, input, weight_t, None)
+        return tangent
+
+
+def _autocast(*tensors: torch.Tensor | None) -> tuple[Any, ...]:
+    """Inside torch.autocast, cast float32 tensors to the autocast dtype, as native convolutions do.
+
+    aten.convolution itself is not on autocast's cast list (only F.conv*d are), so the cast is ours;
+    it is differentiable, so float32 leaves still receive float32 gradients.
+    """
+    devices = [t.device.type for t in tensors if isinstance(t, torch.Tensor)]
+    if not devices:
+        return tensors
+    device_type = devices[0]
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # torch < 2.4 (no device_type argument), or a device without autocast (meta)
+        return tensors
+    if not enabled:
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
 
 
 def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
            backend: str) -> torch.Tensor:
     b = get_backend(backend, fn)
+    input, weight, bias = _autocast(input, weight, bias)  # first: autocast mixes float32 and bfloat16 operands
     tensors = {"input": input, "weight": weight} | ({} if bias is None else {"bias": bias})
     _check_tensors(fn, b, **tensors)
     spec = ConvSpec.from_shapes(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding,
                                 groups, fn=fn)
     if bias is not None and tuple(bias.shape) != (spec.out_channels,):
         raise ValueError(f"{fn}: bias.shape={tuple(bias.shape)} must be (out_channels,)=({spec.out_channels},)")
+    function = _ConvCore if torch.compiler.is_compiling() else ConvFunction
     if spec.unbatched:
-        return ConvFunction.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)
-    return ConvFunction.apply(input, weight, bias, spec, backend)
+        return function.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)
+    return function.apply(input, weight, bias, spec, backend)
 
 
 def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: IntOrTuple = 1,

@@ -272,11 +272,11 @@ def _y_array(spec: ConvSpec, ymat: Array, nb: int) -> Array:
 def _pad(a: Array, pairs: Sequence[tuple[int, int]]) -> Array:
     """Pad the trailing len(pairs) dims by (lo, hi) zeros each; a negative amount crops."""
     lead = a.ndim - len(pairs)
-    a = a[(*(slice(None),) * lead, *(slice(max(-lo, 0), a.shape[lead + j] - max(-hi, 0))
-                                     for j, (lo, hi) in enumerate(pairs)))]
+    # pad first, then crop: a crop on one side may exceed the input when the other side's pad makes room
     if any(lo > 0 or hi > 0 for lo, hi in pairs):
         a = np.pad(a, [(0, 0)] * lead + [(max(lo, 0), max(hi, 0)) for lo, hi in pairs])
-    return a
+    return a[(*(slice(None),) * lead, *(slice(max(-lo, 0), a.shape[lead + j] - max(-hi, 0))
+                                        for j, (lo, hi) in enumerate(pairs)))]
 
 
 # ---- checks -------------------------------------------------------------------------------------------------------

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 
     from convgrad.spec import ConvSpec
 
-__all__ = ["Backend", "register", "get_backend", "backend_names"]
+__all__ = ["Backend", "backend_names", "get_backend", "register"]
 
 _REGISTRY: dict[str, Backend] = {}
+_loaded = False  # not `not _REGISTRY`: importing one backend module directly registers it alone
 _B = TypeVar("_B", bound="type[Backend]")
 
 
@@ -66,6 +67,8 @@ def register(cls: _B) -> _B:
 
 
 def _load_builtin() -> None:
+    global _loaded
+    _loaded = True
     # Imported here, not at module top, so that `convgrad.spec` and the NumPy path never need torch.
     from convgrad.backends import auto, fwdconv, native  # noqa: F401
 
@@ -79,14 +82,14 @@ def _load_builtin() -> None:
 
 def backend_names() -> list[str]:
     """Names of every registered backend, 'auto' first."""
-    if not _REGISTRY:
+    if not _loaded:
         _load_builtin()
     return sorted(_REGISTRY, key=lambda n: (n != "auto", n))
 
 
 def get_backend(name: str, fn: str = "convgrad") -> Backend:
     """Look a backend up by name; raise ValueError naming the valid choices otherwise."""
-    if not _REGISTRY:
+    if not _loaded:
         _load_builtin()
     if not isinstance(name, str):
         raise TypeError(f"{fn}: backend={name!r} must be a string, one of {backend_names()}")

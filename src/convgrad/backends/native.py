@@ -12,6 +12,8 @@ grad_output of a transposed conv, whose output aten would otherwise not crop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from convgrad._ops import pad, placeholder
@@ -24,8 +26,20 @@ def _aten_args(spec: ConvSpec) -> tuple[list[int], list[int], list[int], bool, l
             list(spec.output_padding), spec.groups)
 
 
+def _complex_bilinear(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor,
+                      b: torch.Tensor) -> torch.Tensor:
+    """f(a, b) for complex a, b from four real calls of the real-bilinear f (aten has no complex conv kernels)."""
+    a, b = a.resolve_conj(), b.resolve_conj()
+    real = f(a.real, b.real) - f(a.imag, b.imag)
+    imag = f(a.real, b.imag) + f(a.imag, b.real)
+    return torch.complex(real, imag)
+
+
 def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The convolution itself (batched), including asymmetric padding; used by the autograd Functions."""
+    if input.is_complex():
+        out = _complex_bilinear(lambda x, w: forward(spec, x, w, None), input, weight)
+        return out if bias is None else out + bias.reshape(-1, *(1,) * spec.n)  # (C_out, 1, ..., 1)
     excess = spec.padding_excess
     if not spec.transposed:
         input = pad(input, excess)
@@ -51,6 +65,13 @@ class NativeBackend(Backend):
         need_input: bool,
         need_weight: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if grad_output.is_complex():
+            # torch's convention: grad_input pairs grad_output with conj(weight), grad_weight with conj(input)
+            gi = _complex_bilinear(lambda gy, w: self.input_grad(spec, w, gy), grad_output,
+                                   weight.conj()) if need_input else None  # type: ignore[union-attr]
+            gw = _complex_bilinear(lambda x, gy: self.weight_grad(spec, x, gy), input.conj(),
+                                   grad_output) if need_weight else None  # type: ignore[union-attr]
+            return gi, gw
         excess = spec.padding_excess
         like = grad_output
         if input is None:
