@@ -106,7 +106,8 @@ def _conv_code(conv: Any, out: str, data: str, kernel: str) -> list[str]:
             f"dilation={tuple(conv.dilation)}, groups={conv.groups})  # {tuple(conv.shape)}"]
 
 
-_KNOWN_FIELDS = {"gradient", "spec", "data", "kernel", "data_steps", "kernel_steps", "conv", "post_steps", "shape"}
+_KNOWN_FIELDS = {"gradient", "spec", "data", "kernel", "data_steps", "kernel_steps", "conv", "post_steps", "shape",
+                 "method", "reason"}  # method, reason: which formulation and why (text only)
 
 
 def plan_code(plan: Any, out: str, shapes: dict[str, Shape]) -> list[str]:

@@ -7,6 +7,11 @@ Contractions, per group (x: big side, y: small side, T: kernel taps; DESIGN.md):
                  (stride s, dilation d: the forward conv; used by transposed convs)
     grad of w   [C_x/g, N, x] * y^T [C_y/g, N, o]                          -> [C_x/g, C_y/g, T]
                  (batch and channels swapped, stride d, dilation s; groups folded into channels)
+Faster forms of the same sums, chosen per layer and per gradient by rules from measurements
+(``_input_method`` here, ``fwdconv_weight.weight_method``): polyphase and sub-pixel grad of x, with
+no products with inserted zeros (fwdconv_phases.py); 1x1 convs as matmuls (fwdconv_steps.py); grad
+of w with the batch folded into the groups, the taps folded into the batch, or the dilation blocks
+folded into channels (fwdconv_weight.py).
 
 Work happens in two steps. ``plan_input_grad(spec)`` / ``plan_weight_grad(spec)``
 turn a ConvSpec into a :class:`Plan`: a short list of plain steps that depends on
@@ -17,6 +22,8 @@ is a differentiable torch op, so gradients of any order come from autograd.
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
@@ -25,7 +32,9 @@ import torch
 
 from convgrad._ops import CONV, pad
 from convgrad.backends import Backend, register
-from convgrad.spec import ConvSpec, Pair
+from convgrad.backends.fwdconv_phases import DepthToSpace, Phase, PhaseConvs, SubpixelKernel, TakeTaps
+from convgrad.backends.fwdconv_steps import Contraction, MatMul, Subsample
+from convgrad.spec import ConvSpec, Pair, PhaseTaps
 
 Shape = tuple[int, ...]
 
@@ -111,7 +120,8 @@ class BatchIntoChannels:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n_, c_x, *i = x.shape
         x = x.reshape(n_, self.groups, c_x // self.groups, *i)  # (N, g, C_x/g, *i)
-        return x.permute(2, 1, 0, *range(3, x.dim())).reshape(c_x // self.groups, self.groups * n_, *i)  # (C_x/g, g*N, *i)
+        x = x.permute(2, 1, 0, *range(3, x.dim()))  # (C_x/g, g, N, *i)
+        return x.reshape(c_x // self.groups, self.groups * n_, *i)  # (C_x/g, g*N, *i)
 
     def describe(self) -> str:
         return f"fold the batch into the channels, group-major ({self.groups} group(s))"
@@ -152,7 +162,9 @@ class Conv:
 class Plan:
     """The steps that compute one gradient: data path, kernel path, one conv, then post steps.
 
-    ``conv`` is None when the gradient is an empty sum (batch 0): the result is zeros.
+    ``conv`` is None when the gradient is an empty sum (batch 0): the result is zeros. It may also be
+    a MatMul or PhaseConvs (fwdconv_steps.py). ``method`` names the formulation and ``reason`` says
+    why the plan builder chose it.
     """
 
     gradient: str
@@ -161,9 +173,11 @@ class Plan:
     kernel: str
     data_steps: tuple[Step, ...]
     kernel_steps: tuple[Step, ...]
-    conv: Conv | None
+    conv: Contraction | None
     post_steps: tuple[Step, ...]
     shape: Shape
+    method: str = "direct"
+    reason: str = ""
 
 
 def execute(plan: Plan, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
@@ -190,7 +204,7 @@ def _pad_or_fold(pads: tuple[Pair, ...], before: Shape, after: Shape) -> tuple[l
     return [Pad(pads, after)], (0,) * len(pads), after
 
 
-def _grad_x_plan(spec: ConvSpec, gradient: str, data: str) -> Plan:
+def _grad_x_plan(spec: ConvSpec, gradient: str, data: str, pointwise: bool = False, reason: str = "") -> Plan:
     """x from y: zero-insert, pad, and a stride-1 conv with the flipped, channel-swapped kernel."""
     n_, cy, g = spec.batch, spec.y_channels, spec.groups
     steps: list[Step] = []
@@ -199,39 +213,146 @@ def _grad_x_plan(spec: ConvSpec, gradient: str, data: str) -> Plan:
     before = (n_, cy, *(spec.zero_inserted_size))
     pad_steps, conv_pad, _ = _pad_or_fold(spec.transpose_pads, before, (n_, cy, *spec.transpose_padded_size))
     kernel_steps = (Flip(spec.weight_shape), SwapGroupChannels(g, (spec.x_channels, cy // g, *spec.kernel_size)))
-    conv = Conv((1,) * spec.n, conv_pad, spec.dilation, g, spec.x_shape)
-    return Plan(gradient, spec, data, "weight", (*steps, *pad_steps), kernel_steps, conv, (), spec.x_shape)
+    conv: Contraction = Conv((1,) * spec.n, conv_pad, spec.dilation, g, spec.x_shape)
+    method = "zero_insert" if steps else "direct"
+    if pointwise:  # stride 1 and a 1x1 kernel: the pads only crop, and the conv is a matmul
+        conv, method = MatMul(g, True, spec.x_shape), "matmul"
+    return Plan(gradient, spec, data, "weight", (*steps, *pad_steps), kernel_steps, conv, (), spec.x_shape, method,
+                reason)
 
 
 def _grad_y_plan(spec: ConvSpec, gradient: str, data: str) -> Plan:
-    """y from x: the forward conv itself, reading x exactly (crop the leftover r)."""
+    """y from x: the forward conv itself, reading x exactly (crop the leftover r); 1x1 kernels as a matmul."""
     x_shape = (spec.batch, spec.x_channels)
+    if all(k == 1 for k in spec.kernel_size) and spec.groups == 1:
+        steps: list[Step] = [Pad(spec.x_read_pads, (*x_shape, *spec.x_read_size))]
+        if any(s > 1 for s in spec.stride):
+            steps.append(Subsample(spec.stride, (*x_shape, *spec.y_size)))
+        conv = MatMul(1, True, spec.y_shape)
+        return Plan(gradient, spec, data, "weight", tuple(steps), (), conv, (), spec.y_shape, "matmul", "1x1 kernel")
     pad_steps, conv_pad, _ = _pad_or_fold(spec.x_read_pads, (*x_shape, *spec.x_size), (*x_shape, *spec.x_read_size))
     conv = Conv(spec.stride, conv_pad, spec.dilation, spec.groups, spec.y_shape)
     return Plan(gradient, spec, data, "weight", tuple(pad_steps), (), conv, (), spec.y_shape)
 
 
+def _grad_x_kernel_steps(spec: ConvSpec) -> tuple[Step, ...]:
+    cy, g = spec.y_channels, spec.groups
+    return Flip(spec.weight_shape), SwapGroupChannels(g, (spec.x_channels, cy // g, *spec.kernel_size))
+
+
+def _phase_conv(taps: list[PhaseTaps], groups: int, rows: Shape) -> tuple[Contraction, tuple[Pair, ...], Shape]:
+    """The contraction of one phase, the pads it leaves to a Pad (crops only, for a conv), and its output offset."""
+    pads = tuple(t.pads for t in taps)
+    nd = len(taps)
+    if all(t.count == 1 for t in taps) and groups == 1:  # one tap: a matmul after shifting y
+        return MatMul(groups, True, rows), pads, (0,) * nd
+    grow = tuple(max(lo, hi, 0) for lo, hi in pads)  # the conv pads symmetrically; its surplus rows are skipped
+    start = tuple(p - max(lo, 0) for p, (lo, _) in zip(grow, pads))
+    conv_rows = tuple(r + b + p - max(hi, 0) for r, b, p, (_, hi) in zip(rows[2:], start, grow, pads))
+    conv = Conv((1,) * nd, grow, tuple(t.dilation for t in taps), groups, (*rows[:2], *conv_rows))
+    return conv, tuple((min(lo, 0), min(hi, 0)) for lo, hi in pads), start
+
+
+def _polyphase_plan(spec: ConvSpec, gradient: str, data: str, reason: str = "") -> Plan:
+    """x from y phase by phase: each phase of the big side is a small conv with only the taps that reach it."""
+    cx, cy, g = spec.x_channels, spec.y_channels, spec.groups
+    rows = (spec.batch, cx, *spec.phase_rows)
+    phases: list[Phase | None] = []
+    for combo in itertools.product(*(enumerate(dim) for dim in spec.phases)):
+        rho, taps = tuple(r for r, _ in combo), [t for _, t in combo]
+        if any(t is None for t in taps):
+            phases.append(None)
+            continue
+        live = [t for t in taps if t is not None]
+        take = TakeTaps(tuple(t.first for t in live), tuple(t.step for t in live),
+                        (cx, cy // g, *(t.count for t in live)))
+        conv, pads, start = _phase_conv(live, g, rows)
+        phases.append(Phase(rho, pads if any(lo or hi for lo, hi in pads) else (), take, conv, rows, start))
+    conv_all = PhaseConvs(spec.stride, tuple(phases), spec.x_shape)
+    return Plan(gradient, spec, data, "weight", (), _grad_x_kernel_steps(spec), conv_all, (), spec.x_shape,
+                "polyphase", reason)
+
+
+def _subpixel_plan(spec: ConvSpec, gradient: str, data: str, reason: str = "") -> Plan:
+    """x from y in one conv: every phase's taps side by side as output channels, then depth to space."""
+    geometry = spec.subpixel_taps
+    if geometry is None:
+        raise ValueError(f"plan_input_grad: method='subpixel' needs dilation dividing stride and a phase with taps "
+                         f"in every dim; {spec.describe()} has none")
+    n_, cx, cy, g, nd = spec.batch, spec.x_channels, spec.y_channels, spec.groups, spec.n
+    fused, pads, offsets = zip(*geometry)
+    p = math.prod(spec.stride)
+    kernel_steps = (*_grad_x_kernel_steps(spec), SubpixelKernel(g, spec.phases, offsets, (p * cx, cy // g, *fused)))
+    grow = tuple(max(lo, hi, 0) for lo, hi in pads)  # symmetric conv padding; the surplus rows are skipped
+    start = tuple(q - max(lo, 0) for q, (lo, _) in zip(grow, pads))
+    crops = tuple((min(lo, 0), min(hi, 0)) for lo, hi in pads)
+    cropped = (n_, cy, *(o + lo + hi for o, (lo, hi) in zip(spec.y_size, crops)))
+    if any(c < 1 for c in cropped[2:]):  # the crop alone would empty y: pad it explicitly instead
+        grow, start, crops = (0,) * nd, (0,) * nd, tuple(pads)
+        cropped = (n_, cy, *(o + lo + hi for o, (lo, hi) in zip(spec.y_size, crops)))
+    pad_steps = (Pad(crops, cropped),) if any(lo or hi for lo, hi in crops) else ()
+    conv_rows = tuple(c + 2 * q - f + 1 for c, q, f in zip(cropped[2:], grow, fused))
+    conv = Conv((1,) * nd, grow, (1,) * nd, g, (n_, p * cx, *conv_rows))
+    post = (DepthToSpace(g, spec.stride, spec.x_shape, start),)
+    return Plan(gradient, spec, data, "weight", tuple(pad_steps), kernel_steps, conv, post, spec.x_shape,
+                "subpixel", reason)
+
+
+# Measured with benchmarks/fwdconv_methods.py (2-core AVX-512 CPU, oneDNN, float32, 1 and 2 threads; ratios to
+# native): sub-pixel's single conv wins when the layer has few input channels (ResNet stem: 3, wav2vec2's first
+# conv: 1; 0.37-0.63 vs polyphase 1.3-2.0); separate phases win for wide layers (ResNet 3x3/2: 0.45-1.09 vs
+# 0.64-1.4; 1x1/2: 0.25-0.58 vs 0.9-1.8), whose fused kernel multiplies many zero taps, and for depthwise ones
+# (0.43-1.56 vs 0.61-2.45), whose fused kernel has a channel multiplier that oneDNN runs slowly.
+SUBPIXEL_MAX_CHANNELS = 16
+INPUT_METHODS = ("zero_insert", "polyphase", "subpixel")
+WEIGHT_METHODS = ("kernel", "per_sample", "taps", "blocks")
+
+
+def _input_method(spec: ConvSpec) -> tuple[str, str]:
+    if all(s == 1 for s in spec.stride):
+        if all(k == 1 for k in spec.kernel_size) and spec.groups == 1:
+            return "matmul", "stride 1 and a 1x1 kernel: a matmul"
+        return "direct", "stride 1: no zeros to insert"
+    if spec.subpixel_taps is not None and spec.groups == 1 and spec.x_channels < SUBPIXEL_MAX_CHANNELS:
+        return "subpixel", f"strided, fewer than {SUBPIXEL_MAX_CHANNELS} input channels: one fused conv"
+    return "polyphase", "strided: one conv per phase, no products with inserted zeros"
+
+
 @lru_cache(maxsize=1024)
-def plan_input_grad(spec: ConvSpec) -> Plan:
-    """The plan for grad_input: the x-gradient of a forward conv, the y-gradient of a transposed one."""
+def plan_input_grad(spec: ConvSpec, method: str | None = None) -> Plan:
+    """The plan for grad_input: the x-gradient of a forward conv, the y-gradient of a transposed one.
+
+    ``method`` forces a formulation of the x-gradient (one of INPUT_METHODS); None lets the rules choose.
+    """
     if spec.transposed:
         return _grad_y_plan(spec, "grad_input", "grad_output")
-    return _grad_x_plan(spec, "grad_input", "grad_output")
+    chosen, reason = _input_method(spec) if method is None else (method, "forced")
+    if chosen in ("direct", "zero_insert", "matmul"):
+        return _grad_x_plan(spec, "grad_input", "grad_output", chosen == "matmul", reason)
+    if chosen == "polyphase":
+        return _polyphase_plan(spec, "grad_input", "grad_output", reason)
+    if chosen == "subpixel":
+        return _subpixel_plan(spec, "grad_input", "grad_output", reason)
+    raise ValueError(f"plan_input_grad: method={method!r} must be None or one of {INPUT_METHODS}")
 
 
 @lru_cache(maxsize=1024)
-def plan_weight_grad(spec: ConvSpec) -> Plan:
-    """The plan for grad_weight: x (batch folded into channels) convolved with y as the kernel."""
-    g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
+def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
+    """The plan for grad_weight: x convolved with y as the kernel, batch, taps or blocks folded as chosen.
+
+    ``method`` forces a formulation (one of WEIGHT_METHODS); None lets the rules choose.
+    """
     x_name, y_name = ("grad_output", "input") if spec.transposed else ("input", "grad_output")
-    if n_ == 0:
-        return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), spec.weight_shape)
-    pad_steps, conv_pad, padded = _pad_or_fold(spec.x_read_pads, (n_, cx, *spec.x_size), (n_, cx, *spec.x_read_size))
-    data_steps = (*pad_steps, BatchIntoChannels(g, (cx // g, g * n_, *padded[2:])))
-    kernel_steps = (SwapBatchChannels((cy, n_, *spec.y_size)),)
-    conv = Conv(spec.dilation, conv_pad, spec.stride, g, (cx // g, cy, *spec.kernel_size))
-    post = (SwapBatchChannels(spec.weight_shape),)
-    return Plan("grad_weight", spec, x_name, y_name, data_steps, kernel_steps, conv, post, spec.weight_shape)
+    if spec.batch == 0:
+        return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), spec.weight_shape, "empty", "batch 0")
+    from convgrad.backends import fwdconv_weight  # its builders use this module's steps
+
+    chosen, reason = fwdconv_weight.weight_method(spec) if method is None else (method, "forced")
+    if chosen not in fwdconv_weight.BUILDERS:
+        raise ValueError(f"plan_weight_grad: method={method!r} must be None or one of {WEIGHT_METHODS}")
+    data_steps, kernel_steps, conv, post = fwdconv_weight.BUILDERS[chosen](spec)
+    return Plan("grad_weight", spec, x_name, y_name, data_steps, kernel_steps, conv, post, spec.weight_shape,
+                chosen, reason)
 
 
 @register
@@ -242,8 +363,12 @@ class FwdConvBackend(Backend):
     supports_complex = True
 
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return execute(plan_input_grad(spec), grad_output, weight)
+        # torch's complex convention: the gradient pairs grad_output with conj(weight) (a no-op for real dtypes)
+        return execute(plan_input_grad(spec), grad_output, weight.conj())
 
     def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        input = input.conj()  # torch's complex convention, as in input_grad
         x, y = (grad_output, input) if spec.transposed else (input, grad_output)
-        return execute(plan_weight_grad(spec), x, y)
+        from convgrad.backends.fwdconv_weight import im2col_weight_method
+
+        return execute(plan_weight_grad(spec, im2col_weight_method(spec, grad_output)), x, y)

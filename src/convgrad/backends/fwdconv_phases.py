@@ -1,0 +1,221 @@
+"""The polyphase and sub-pixel steps of the fwdconv grad of x: no products with inserted zeros.
+
+Contractions, per group (x: big side, y: small side; spec.phase_taps has the derivation):
+    polyphase   x rows rho::s  =  y padded * flipped taps first::s/g      (one small conv per phase)
+    sub-pixel   [N, C_y/g, y] * [P*C_x/g, C_y/g, fused taps] -> [N, P*C_x/g, ceil(i/s)] -> depth to space
+
+Steps follow fwdconv.py: frozen dataclasses with ``shape``, ``__call__`` and ``describe()``, plus
+``code()`` for ``Recipe.to_python``. Results are written phase by phase into a tensor of the big
+side's exact size, in the data's memory format (channels last stays channels last).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from convgrad._ops import pad
+from convgrad.backends.fwdconv_steps import Contraction, _channels_last, _contraction_code, _dims, _flat, _slices
+from convgrad.spec import Pair, PhaseTaps
+
+Shape = tuple[int, ...]
+
+__all__ = ["DepthToSpace", "Phase", "PhaseConvs", "SubpixelKernel", "TakeTaps"]
+
+
+# ---- polyphase grad of x ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TakeTaps:
+    """Keep the taps first, first+step, ... (count of them) of the kernel in every spatial dim."""
+
+    first: Shape
+    step: Shape
+    shape: Shape
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        counts = self.shape[2:]
+        return w[(..., *(slice(f, f + s * (c - 1) + 1, s) for f, s, c in zip(self.first, self.step, counts)))]
+
+    def describe(self) -> str:
+        return f"keep the taps {', '.join(f'{f}::{s}' for f, s in zip(self.first, self.step))} of the flipped kernel"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        return [f"{v} = {v}[..., {_slices(self.first, self.step, self.shape[2:])}]  # taps of this phase: {self.shape}"]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the big side: y cropped/padded, convolved with this phase's taps only.
+
+    ``pads`` are applied first (negative: a crop, which is a view); a Conv may pad more itself, in
+    which case its output starts ``start`` rows early in each dim.
+    """
+
+    rho: Shape
+    pads: tuple[Pair, ...]
+    taps: TakeTaps
+    conv: Contraction
+    shape: Shape
+    start: Shape = ()
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        out = self.conv(pad(data, self.pads), self.taps(kernel))
+        if any(self.start):
+            out = out[(..., *(slice(b, b + r) for b, r in zip(self.start, self.shape[2:], strict=True)))]
+        return out
+
+    def describe(self) -> str:
+        return f"phase {self.rho}: pad y by {self.pads}, {self.taps.describe()}, {self.conv.describe()}"
+
+    def code(self, out: str, data: str, kernel: str) -> list[str]:
+        lines = [f"{out}_y = F.pad({data}, {_flat(self.pads)})  # pads {self.pads} (negative crops)" if self.pads
+                 else f"{out}_y = {data}", f"{out}_k = {kernel}", *self.taps.code(f"{out}_k", ())]
+        lines += _contraction_code(self.conv, out, f"{out}_y", f"{out}_k")
+        if any(self.start):
+            rows = ", ".join(f"{b}:{b + r}" for b, r in zip(self.start, self.shape[2:], strict=True))
+            lines.append(f"{out} = {out}[..., {rows}]  # the rows of this phase")
+        return lines
+
+
+def _phase_rows(stride: Shape, rho: Shape) -> tuple[slice, ...]:
+    """Where phase rho lands in the big side: rows rho::s in every dim."""
+    return tuple(slice(r, None, s) for r, s in zip(rho, stride, strict=True))
+
+
+def _counts(stride: Shape, size: Shape, rho: Shape) -> str:
+    """`:n` per dim, n = len(range(rho, i, s)): the rows of phase rho that exist in the big side."""
+    return ", ".join(f":{len(range(r, i, s))}" for r, s, i in zip(rho, stride, size, strict=True))
+
+
+def _new_like(data: torch.Tensor, shape: Shape) -> torch.Tensor:
+    """An uninitialised tensor of this shape in data's memory format (channels last stays channels last)."""
+    if _channels_last(data):
+        return data.new_empty((shape[0], *shape[2:], shape[1])).movedim(-1, 1)
+    return data.new_empty(shape)
+
+
+@dataclass(frozen=True)
+class PhaseConvs:
+    """Every phase of the big side, each its own small conv, written into rows rho::s; empty phases are zeros."""
+
+    stride: Shape
+    phases: tuple[Phase | None, ...]  # row-major over rho
+    shape: Shape
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        out = _new_like(data, self.shape)
+        for rho, phase in zip(itertools.product(*(range(s) for s in self.stride)), self.phases, strict=True):
+            rows = (..., *_phase_rows(self.stride, rho))
+            if phase is None:
+                out[rows] = 0
+            else:
+                out[rows] = phase(data, kernel)[(..., *(slice(0, n) for n in out[rows].shape[2:]))]
+        return out
+
+    def describe(self) -> str:
+        live = [p for p in self.phases if p is not None]
+        lines = [f"{len(live)} of {len(self.phases)} phases of stride {self.stride} receive taps (the rest are "
+                 f"zeros); phase rho fills rows rho::{self.stride}:"]
+        return "\n".join(lines + [f"  {p.describe()}" for p in live])
+
+    def code(self, out: str, data: str, kernel: str) -> list[str]:
+        lines = [f"{out} = {data}.new_zeros({_dims(self.shape)})  # phases no tap reaches stay zero"]
+        for p in self.phases:
+            if p is not None:
+                rows = ", ".join(f"{r}::{s}" for r, s in zip(p.rho, self.stride, strict=True))
+                lines += [f"# phase {p.rho}", *p.code("p", data, kernel),
+                          f"{out}[..., {rows}] = p[..., {_counts(self.stride, self.shape[2:], p.rho)}]"]
+        return lines
+
+
+# ---- sub-pixel grad of x: every phase in one conv -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SubpixelKernel:
+    """(C_x, C_y/g, *k) -> (g*P*C_x/g, C_y/g, *fused): each phase's taps, shifted into one common kernel."""
+
+    groups: int
+    phases: tuple[tuple[PhaseTaps | None, ...], ...]  # per dim, per rho
+    offsets: tuple[tuple[int, ...], ...]  # per dim, per rho
+    shape: Shape
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        c_x, cyg, *_ = w.shape
+        fused = self.shape[2:]
+        w = w.reshape(self.groups, c_x // self.groups, cyg, *w.shape[2:])  # (g, C_x/g, C_y/g, *k)
+        subs = []
+        for combo in itertools.product(*(range(len(dim)) for dim in self.phases)):
+            taps = [dim[r] for dim, r in zip(self.phases, combo)]
+            if any(t is None for t in taps):
+                subs.append(w.new_zeros(*w.shape[:3], *fused))
+                continue
+            sub = w[(..., *(slice(t.first, t.first + t.step * (t.count - 1) + 1, t.step) for t in taps))]
+            shifts = [(off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps)]
+            subs.append(pad(sub, shifts))  # (g, C_x/g, C_y/g, *fused)
+        return torch.stack(subs, 1).reshape(self.shape)  # (g*P*C_x/g, C_y/g, *fused)
+
+    def describe(self) -> str:
+        return (f"gather each phase's taps into one kernel of {self.shape[2:]} taps per phase, "
+                f"phases as output channels within each of the {self.groups} group(s)")
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        c_x, cyg, *k = shape
+        fused = self.shape[2:]
+        lines = [f"{v}_w = {v}.reshape({_dims((self.groups, c_x // self.groups, cyg, *k))})  # (g, C_x/g, C_y/g, *k)",
+                 "subs = []"]
+        for combo in itertools.product(*(range(len(dim)) for dim in self.phases)):
+            taps = [dim[r] for dim, r in zip(self.phases, combo)]
+            if any(t is None for t in taps):
+                zeros = (self.groups, c_x // self.groups, cyg, *fused)
+                lines.append(f"subs.append({v}_w.new_zeros({_dims(zeros)}))")
+                continue
+            sl = _slices(*zip(*((t.first, t.step, t.count) for t in taps)))  # type: ignore[union-attr]
+            shifts = tuple((off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps))  # type: ignore[union-attr]
+            lines.append(f"subs.append(F.pad({v}_w[..., {sl}], {_flat(shifts)}))  # phase {combo}")
+        return [*lines, f"{v} = torch.stack(subs, 1).reshape({_dims(self.shape)})  # every phase's taps: {self.shape}"]
+
+
+@dataclass(frozen=True)
+class DepthToSpace:
+    """(N, g*P*C_x/g, *rows) -> (N, C_x, *i): the channels of phase rho become the rows rho::s (cropped to i).
+
+    The phases' rows begin ``start`` rows into the conv's output (rows a symmetric conv padding added).
+    """
+
+    groups: int
+    stride: Shape
+    shape: Shape
+    start: Shape = ()
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        n, _, *rows = t.shape
+        g, c_x = self.groups, self.shape[1]
+        phases = t.view(n, g, math.prod(self.stride), c_x // g, *rows)  # (N, g, P, C_x/g, *rows)
+        out = _new_like(t, self.shape)
+        grouped = out.view(n, g, c_x // g, *self.shape[2:])  # (N, g, C_x/g, *i)
+        start = self.start or (0,) * len(rows)
+        for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
+            where = (..., *_phase_rows(self.stride, rho))
+            rows_of_p = (slice(b, b + m) for b, m in zip(start, grouped[where].shape[3:], strict=True))
+            grouped[where] = phases[:, :, p][(..., *rows_of_p)]
+        return out
+
+    def describe(self) -> str:
+        return f"depth to space: the channels of phase rho become the rows rho::{self.stride}"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        n, _, *rows = shape
+        g, c_x = self.groups, self.shape[1]
+        lines = [f"{v}_p = {v}.reshape({_dims((n, g, math.prod(self.stride), c_x // g, *rows))})  # (N, g, P, "
+                 f"C_x/g, *rows)", f"{v} = {v}.new_zeros({_dims((n, g, c_x // g, *self.shape[2:]))})"]
+        start = self.start or (0,) * len(rows)
+        for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
+            where = ", ".join(f"{r}::{s}" for r, s in zip(rho, self.stride, strict=True))
+            rows_of_p = ", ".join(f"{b}:{b + len(range(r, i, s))}" for b, r, s, i in
+                                  zip(start, rho, self.stride, self.shape[2:], strict=True))
+            lines.append(f"{v}[..., {where}] = {v}_p[:, :, {p}][..., {rows_of_p}]")
+        return [*lines, f"{v} = {v}.reshape({_dims(self.shape)})  # depth to space: {self.shape}"]

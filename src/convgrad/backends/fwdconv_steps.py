@@ -1,0 +1,270 @@
+"""The faster steps of the fwdconv plans: matmuls and folds (forward convolutions only); phases are in
+fwdconv_phases.py.
+
+Contractions, per group (x: big side, y: small side; DESIGN.md, docs/derivation.md):
+    matmul      a conv whose kernel is 1x1, or covers its whole input:  [B, I] x [I, O] -> [B, O]
+    folds       batch into groups (per-sample convs, summed), taps into the batch (im2col by taps),
+                dilation blocks into channels (space-to-depth): same sums, friendlier conv shapes
+
+Each step is a frozen dataclass, like those of fwdconv.py: ``shape`` is the shape it produces,
+calling it applies it, ``describe()`` says what it does in one line. A contraction (Conv, MatMul,
+PhaseConvs) is called with (data, kernel). Every op is differentiable, so gradients of any order
+come from autograd; layouts follow the data, so channels_last stays channels_last.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from convgrad.spec import Pair
+
+Shape = tuple[int, ...]
+
+__all__ = ["BatchIntoGroups", "Contraction", "FoldTaps", "MatMul", "SamplesIntoChannels", "SpaceToDepth",
+           "Subsample", "SumSamples", "TapsToKernel"]
+
+
+class Contraction(Protocol):
+    """The one multiply-accumulate of a plan: called with (data, kernel)."""
+
+    shape: Shape
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor: ...
+
+    def describe(self) -> str: ...
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    """True when the channels are the innermost dim in memory (NHWC-like), whatever the rank."""
+    return t.dim() >= 3 and t.shape[1] > 1 and t.stride(1) == 1 and not t.is_contiguous()
+
+
+def _dims(values: object) -> str:
+    return ", ".join(str(v) for v in values)  # type: ignore[attr-defined]
+
+
+def _flat(pairs: tuple[Pair, ...]) -> list[int]:
+    """(lo, hi) per trailing dim -> F.pad's flat list, last dim first."""
+    return [v for lo, hi in reversed(pairs) for v in (lo, hi)]
+
+
+def _slices(first: Shape, step: Shape, count: Shape) -> str:
+    return ", ".join(f"{f}:{f + s * (c - 1) + 1}:{s}" for f, s, c in zip(first, step, count, strict=True))
+
+
+def _contraction_code(conv: Contraction, out: str, data: str, kernel: str) -> list[str]:
+    """Script lines for a contraction: its own code(), or F.conv*d for fwdconv's Conv."""
+    own = getattr(conv, "code", None)
+    if callable(own):
+        return list(own(out, data, kernel))
+    c = conv  # fwdconv.Conv: stride, padding, dilation, groups
+    return [f"{out} = F.conv{len(c.stride)}d({data}, {kernel}, None, stride={c.stride}, "  # type: ignore[attr-defined]
+            f"padding={c.padding}, dilation={c.dilation}, groups={c.groups})  # {c.shape}"]  # type: ignore[attr-defined]
+
+
+# ---- matmuls ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatMul:
+    """A conv computed as one matmul: its kernel is 1x1 (``pointwise``), or it covers the whole input.
+
+    pointwise: (B, g*I, *S) x (O, I, 1, ..) -> (B, O, *S);  full: (B, g*I, *J) x (O, I, *J) -> (B, O, 1, ..).
+    """
+
+    groups: int
+    pointwise: bool
+    shape: Shape
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        return self._pointwise(data, kernel) if self.pointwise else self._full(data, kernel)
+
+    def _pointwise(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        g, (b, o), i = self.groups, self.shape[:2], data.shape[1] // self.groups
+        spatial = data.shape[2:]
+        k = kernel.reshape(g, o // g, i)  # (g, O/g, I)
+        if _channels_last(data) and g == 1:
+            out = data.movedim(1, -1).reshape(b * math.prod(spatial), i) @ k[0].t()  # (B*S, O)
+            return out.reshape(b, *spatial, o).movedim(-1, 1)  # (B, O, *S), channels last
+        out = torch.matmul(k, data.reshape(b, g, i, math.prod(spatial)))  # (B, g, O/g, S)
+        return out.reshape(self.shape)
+
+    def _full(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        g, (b, o) = self.groups, self.shape[:2]
+        ij = data.shape[1] // g * math.prod(data.shape[2:])
+        d = data.reshape(b, g, ij).transpose(0, 1)  # (g, B, I*J)
+        k = kernel.reshape(g, o // g, ij)  # (g, O/g, I*J)
+        return torch.matmul(d, k.transpose(1, 2)).transpose(0, 1).reshape(self.shape)  # (B, O, 1, ..)
+
+    def describe(self) -> str:
+        kind = "a 1x1 kernel" if self.pointwise else "a kernel covering its whole input"
+        return f"conv with {kind}, groups={self.groups}: one matmul"
+
+    def code(self, out: str, data: str, kernel: str) -> list[str]:
+        g, (b, o) = self.groups, self.shape[:2]
+        if self.pointwise:
+            return [f"{out} = torch.matmul({kernel}.reshape({g}, {o // g}, -1), {data}.reshape({b}, {g}, "
+                    f"{data}.shape[1] // {g}, -1)).reshape({_dims(self.shape)})  # 1x1 conv as a matmul"]
+        return [f"{out} = torch.matmul({data}.reshape({b}, {g}, -1).transpose(0, 1), {kernel}.reshape({g}, {o // g}, "
+                f"-1).transpose(1, 2)).transpose(0, 1).reshape({_dims(self.shape)})  # full-size kernel: a matmul"]
+
+
+@dataclass(frozen=True)
+class Subsample:
+    """Keep every s-th row in every spatial dim (what a 1x1, stride-s conv reads)."""
+
+    stride: Shape
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t[(..., *(slice(None, None, s) for s in self.stride))]
+
+    def describe(self) -> str:
+        return f"keep every {self.stride}-th row"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        return [f"{v} = {v}[..., {', '.join(f'::{s}' for s in self.stride)}]  # every s-th row: {self.shape}"]
+
+
+# ---- folds for grad_weight ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FoldTaps:
+    """(N, C_x, *x_read) -> (C_x/g*T, g*N, *o): the window each of the T taps reads, folded into the batch."""
+
+    groups: int
+    kernel_size: Shape
+    stride: Shape
+    dilation: Shape
+    shape: Shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, c_x = x.shape[:2]
+        nd, g = len(self.kernel_size), self.groups
+        for j, (k, s, d) in enumerate(zip(self.kernel_size, self.stride, self.dilation)):
+            x = x.unfold(2 + j, d * (k - 1) + 1, s)  # (N, C_x, *o, *window) after every dim
+        x = x[(..., *(slice(None, None, d) for d in self.dilation))]  # (N, C_x, *o, *k)
+        x = x.reshape(n, g, c_x // g, *x.shape[2:])  # (N, g, C_x/g, *o, *k)
+        taps, outs = range(3 + nd, 3 + 2 * nd), range(3, 3 + nd)
+        return x.permute(2, *taps, 1, 0, *outs).reshape(self.shape)  # (C_x/g*T, g*N, *o)
+
+    def describe(self) -> str:
+        return (f"fold the windows of the {math.prod(self.kernel_size)} taps into the batch "
+                f"(im2col by taps, stride {self.stride}, dilation {self.dilation})")
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        n, c_x, *_ = shape
+        nd, g = len(self.kernel_size), self.groups
+        lines = [f"{v} = {v}.unfold({2 + j}, {d * (k - 1) + 1}, {s})  # windows of dim {j}"
+                 for j, (k, s, d) in enumerate(zip(self.kernel_size, self.stride, self.dilation))]
+        perm = (2, *range(3 + nd, 3 + 2 * nd), 1, 0, *range(3, 3 + nd))
+        return [*lines, f"{v} = {v}[..., {', '.join(f'::{d}' for d in self.dilation)}]  # (N, C_x, *o, *k)",
+                f"{v} = {v}.reshape({n}, {g}, {c_x // g}, *{v}.shape[2:]).permute({_dims(perm)})"
+                f".reshape({_dims(self.shape)})  # taps into the batch: {self.shape}"]
+
+
+@dataclass(frozen=True)
+class TapsToKernel:
+    """(C_x/g*T, C_y, 1, ..) -> (C_y, C_x/g, *k): the matmul's rows back into kernel taps."""
+
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        c_y, cxg, *k = self.shape
+        t = t.reshape(cxg, *k, c_y)  # (C_x/g, *k, C_y)
+        return t.movedim(-1, 0)  # (C_y, C_x/g, *k)
+
+    def describe(self) -> str:
+        return "unfold the taps from the batch back into the kernel"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        c_y, cxg, *k = self.shape
+        return [f"{v} = {v}.reshape({_dims((cxg, *k, c_y))}).movedim(-1, 0)  # (C_y, C_x/g, *k): {self.shape}"]
+
+
+@dataclass(frozen=True)
+class BatchIntoGroups:
+    """(N, C_x, *i) -> (C_x/g, N*g, *i): each sample's group becomes its own conv group."""
+
+    groups: int
+    shape: Shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, c_x, *i = x.shape
+        x = x.reshape(n, self.groups, c_x // self.groups, *i)  # (N, g, C_x/g, *i)
+        return x.permute(2, 0, 1, *range(3, x.dim())).reshape(self.shape)  # (C_x/g, N*g, *i)
+
+    def describe(self) -> str:
+        return f"fold the batch into the groups (sample-major, {self.groups} group(s) each)"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        n, c_x, *i = shape
+        perm = (2, 0, 1, *range(3, 3 + len(i)))
+        return [f"{v} = {v}.reshape({_dims((n, self.groups, c_x // self.groups, *i))}).permute({_dims(perm)})"
+                f".reshape({_dims(self.shape)})  # batch into groups: {self.shape}"]
+
+
+@dataclass(frozen=True)
+class SamplesIntoChannels:
+    """(N, C_y, *o) -> (N*C_y, 1, *o): one single-channel kernel per sample and output channel."""
+
+    shape: Shape
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(self.shape)
+
+    def describe(self) -> str:
+        return "one kernel per sample and channel: (N, C_y, *o) -> (N*C_y, 1, *o)"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        return [f"{v} = {v}.reshape({_dims(self.shape)})  # one kernel per sample and channel"]
+
+
+@dataclass(frozen=True)
+class SumSamples:
+    """(C_x/g, N*C_y, *k) -> (C_x/g, C_y, *k): add the per-sample gradients."""
+
+    batch: int
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        cxg, c_y, *k = self.shape
+        return t.reshape(cxg, self.batch, c_y, *k).sum(1)  # (C_x/g, C_y, *k)
+
+    def describe(self) -> str:
+        return f"sum the {self.batch} per-sample gradients"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        cxg, c_y, *k = self.shape
+        return [f"{v} = {v}.reshape({_dims((cxg, self.batch, c_y, *k))}).sum(1)  # add the samples: {self.shape}"]
+
+
+@dataclass(frozen=True)
+class SpaceToDepth:
+    """(N, C, *(U*d)) -> (C/g, g*N*prod(d), *U): blocks of d rows become channels (after the batch)."""
+
+    block: Shape
+    groups: int
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        n, c, *size = t.shape
+        nd, g = len(self.block), self.groups
+        blocks = [u // d for u, d in zip(size, self.block)]
+        t = t.reshape(n, g, c // g, *(v for u, d in zip(blocks, self.block) for v in (u, d)))  # (N, g, C/g, U1, d1..)
+        perm = (2, 1, 0, *range(4, 3 + 2 * nd, 2), *range(3, 3 + 2 * nd, 2))  # (C/g, g, N, *d, *U)
+        return t.permute(perm).reshape(self.shape)  # (C/g, g*N*prod(d), *U)
+
+    def describe(self) -> str:
+        return f"space to depth by the dilation {self.block}: the phases of every block become channels"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        n, c, *size = shape
+        nd, g = len(self.block), self.groups
+        split = (n, g, c // g, *(x for u, d in zip(size, self.block) for x in (u // d, d)))
+        perm = (2, 1, 0, *range(4, 3 + 2 * nd, 2), *range(3, 3 + 2 * nd, 2))
+        return [f"{v} = {v}.reshape({_dims(split)}).permute({_dims(perm)}).reshape({_dims(self.shape)})"
+                f"  # space to depth: {self.shape}"]

@@ -1,0 +1,160 @@
+"""The grad_weight plans of the fwdconv backend and the rules that choose among them.
+
+Contractions, per group (x: big side, y: small side, T taps, P positions of y; DESIGN.md):
+    kernel      [C_x/g, N, x] * y^T [C_y/g, N, o] -> [C_x/g, C_y/g, T]   (stride d, dilation s; y as the kernel)
+    per_sample  [C_x/g, N*g, x] * [N*C_y, 1, o], groups N*g -> per-sample gradients, summed over N
+    taps        the windows of the T taps folded into the batch: [C_x/g*T, N*P] x [N*P, C_y/g] (a matmul)
+    blocks      stride 1, dilation d: blocks of d rows folded into channels, a stride-1 conv (space to depth)
+
+Each builder returns (data steps, kernel steps, contraction, post steps) for fwdconv.plan_weight_grad.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from convgrad.backends.fwdconv import BatchIntoChannels, Conv, Pad, Step, SwapBatchChannels, _pad_or_fold
+from convgrad.backends.fwdconv_steps import (
+    BatchIntoGroups,
+    Contraction,
+    FoldTaps,
+    MatMul,
+    SamplesIntoChannels,
+    SpaceToDepth,
+    SumSamples,
+    TapsToKernel,
+)
+from convgrad.spec import ConvSpec, Pair
+
+Shape = tuple[int, ...]
+
+__all__ = ["BUILDERS", "ONEDNN_DTYPES", "PER_SAMPLE_MAX_BATCH", "PER_SAMPLE_MAX_CHANNELS", "TAPS_MAX_ELEMENTS",
+           "im2col_weight_method", "weight_method"]
+
+
+def weight_method(spec: ConvSpec) -> tuple[str, str]:
+    """The grad_weight formulation for this spec and why.
+
+    Rules from `benchmarks/fwdconv_methods.py` (oneDNN, float32, 2 threads, quiet, ratios to native;
+    ranges over runs with the two malloc settings of `convgrad bench`): taps 1.0-1.25 for 1x1 convs and
+    1.1 for the U-Net 2x2/2 up-conv, where kernel is 1.3-4.1 and 2.3; per_sample for at most 3 input
+    channels per group (depthwise 0.74-1.14 vs kernel 4.2-5.7, the RGB stem 1.7 vs 2.4-2.7, wav2vec2's
+    C_in = 1 conv 1.15 vs 2.0-2.2) and for batches of 1-2 (wav2vec2 0.91 vs 1.2, R3D 1.0 vs 1.3); blocks
+    for the DeepLab ASPP rate 12 (1.9 vs 3.7-3.9); kernel 0.64-1.6 elsewhere (ResNeXt's 4 channels per
+    group: 0.64-0.73 vs per_sample 1.4-1.5).
+    """
+    if spec.taps <= math.prod(spec.stride):
+        return "taps", "tap windows do not overlap (e.g. 1x1, or k <= s): im2col by taps copies at most x; a matmul"
+    if spec.x_channels // spec.groups <= PER_SAMPLE_MAX_CHANNELS:
+        return "per_sample", (f"at most {PER_SAMPLE_MAX_CHANNELS} input channels per group (depthwise, RGB, audio): "
+                              f"per-sample convs, summed")
+    if all(s == 1 for s in spec.stride) and any(d > 1 for d in spec.dilation):
+        return "blocks", "dilated, stride 1: space-to-depth by d turns a huge strided conv into a small stride-1 one"
+    if spec.batch <= PER_SAMPLE_MAX_BATCH:
+        return "per_sample", f"batch of at most {PER_SAMPLE_MAX_BATCH}: per-sample convs, summed"
+    return "kernel", "grad_output as the kernel, batch folded into channels"
+
+
+PER_SAMPLE_MAX_CHANNELS = 3  # input channels per group (RGB: 3; ResNeXt's 4 per group run faster as "kernel")
+PER_SAMPLE_MAX_BATCH = 2
+
+
+# torch's CPU convs run oneDNN for float32 and bfloat16 only; other dtypes (float64, float16, complex) run an
+# im2col + GEMM forward conv, for which grad_output as a huge kernel is 2-6x slower than folding the taps into the
+# batch ourselves (float64, 1 thread: ResNet 3x3 at 56 2.5x -> 1.05x native, DCGAN 3.4x -> 2.1x).
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+TAPS_MAX_ELEMENTS = 2**25  # the folded windows, N*C_x*T*P; beyond this the "kernel" plan needs far less memory
+
+
+def im2col_weight_method(spec: ConvSpec, like: torch.Tensor) -> str | None:
+    """"taps" where the forward conv would be im2col + GEMM anyway (CPU, not oneDNN), ungrouped, and it fits."""
+    if like.device.type != "cpu" or like.dtype in ONEDNN_DTYPES or spec.groups > 1 or spec.x_channels == 1:
+        return None
+    size = spec.batch * spec.x_channels * spec.taps * spec.positions
+    return "taps" if size <= TAPS_MAX_ELEMENTS else None
+
+
+_Parts = tuple[tuple[Step, ...], tuple[Step, ...], Contraction, tuple[Step, ...]]
+
+
+def _x_pads(spec: ConvSpec) -> tuple[tuple[Step, ...], Shape, Shape, tuple[Pair, ...]]:
+    """How the grad-of-w conv reads x: crops as a view, padding by the conv itself, surplus outputs dropped.
+
+    An asymmetric pad of x would be a copy of x; instead the conv pads max(lo, hi) on both sides and
+    the few extra outputs (the taps "before" tap 0 and past tap k-1) are cropped from its small
+    result. The conv's stride is d, so this needs the extra leading padding to be a multiple of d;
+    otherwise x is padded explicitly. Returns (steps on x, x's shape after them, conv padding,
+    crop of the conv's output per dim).
+    """
+    shape = (spec.batch, spec.x_channels)
+    pads = spec.x_read_pads
+    grow = tuple(max(lo, hi, 0) for lo, hi in pads)
+    extra = tuple(g - max(lo, 0) for g, (lo, _) in zip(grow, pads))
+    crops = tuple((min(lo, 0), min(hi, 0)) for lo, hi in pads)
+    size = tuple(i + lo + hi for i, (lo, hi) in zip(spec.x_size, crops))
+    if any(e % d for e, d in zip(extra, spec.dilation)) or any(n < 1 for n in size):  # or the crop empties x
+        steps, conv_pad, padded = _pad_or_fold(pads, (*shape, *spec.x_size), (*shape, *spec.x_read_size))
+        return tuple(steps), padded, conv_pad, ((0, 0),) * spec.n
+    out = tuple((n + 2 * g - s * (o - 1) - 1) // d + 1
+                for n, g, s, o, d in zip(size, grow, spec.stride, spec.y_size, spec.dilation))
+    crop_out = tuple((-(e // d), -(m - e // d - k)) for e, d, m, k in zip(extra, spec.dilation, out, spec.kernel_size))
+    steps = (Pad(crops, (*shape, *size)),) if any(lo or hi for lo, hi in crops) else ()
+    return steps, (*shape, *size), grow, crop_out
+
+
+def _crop_taps(spec: ConvSpec, crop: tuple[Pair, ...], lead: Shape) -> tuple[Step, ...]:
+    return (Pad(crop, (*lead, *spec.kernel_size)),) if any(lo or hi for lo, hi in crop) else ()
+
+
+def _kernel_plan(spec: ConvSpec) -> _Parts:
+    """x (batch folded into channels) convolved with y as the kernel: stride d, dilation s."""
+    g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
+    pad_steps, padded, conv_pad, crop = _x_pads(spec)
+    data_steps = (*pad_steps, BatchIntoChannels(g, (cx // g, g * n_, *padded[2:])))
+    taps = tuple(k - lo - hi for k, (lo, hi) in zip(spec.kernel_size, crop))
+    conv = Conv(spec.dilation, conv_pad, spec.stride, g, (cx // g, cy, *taps))
+    post = (*_crop_taps(spec, crop, (cx // g, cy)), SwapBatchChannels(spec.weight_shape))
+    return data_steps, (SwapBatchChannels((cy, n_, *spec.y_size)),), conv, post
+
+
+def _per_sample_plan(spec: ConvSpec) -> _Parts:
+    """The same conv per sample, the batch folded into the groups, then the samples summed."""
+    g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
+    pad_steps, padded, conv_pad, crop = _x_pads(spec)
+    data_steps = (*pad_steps, BatchIntoGroups(g, (cx // g, n_ * g, *padded[2:])))
+    taps = tuple(k - lo - hi for k, (lo, hi) in zip(spec.kernel_size, crop))
+    conv = Conv(spec.dilation, conv_pad, spec.stride, n_ * g, (cx // g, n_ * cy, *taps))
+    post = (*_crop_taps(spec, crop, (cx // g, n_ * cy)), SumSamples(n_, (cx // g, cy, *spec.kernel_size)),
+            SwapBatchChannels(spec.weight_shape))
+    return data_steps, (SamplesIntoChannels((n_ * cy, 1, *spec.y_size)),), conv, post
+
+
+def _taps_plan(spec: ConvSpec) -> _Parts:
+    """The window of every tap folded into the batch (im2col by taps): a conv whose kernel y covers it, a matmul."""
+    g, cx, cy, n_, t = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.taps
+    pads = (Pad(spec.x_read_pads, (n_, cx, *spec.x_read_size)),) if any(any(p) for p in spec.x_read_pads) else ()
+    data_steps = (*pads, FoldTaps(g, spec.kernel_size, spec.stride, spec.dilation, (cx // g * t, g * n_, *spec.y_size)))
+    conv = MatMul(g, False, (cx // g * t, cy, *(1,) * spec.n))
+    return data_steps, (SwapBatchChannels((cy, n_, *spec.y_size)),), conv, (TapsToKernel(spec.weight_shape),)
+
+
+def _blocks_plan(spec: ConvSpec) -> _Parts:
+    """Stride 1, dilation d: blocks of d rows folded into channels (space to depth) make it a stride-1 conv."""
+    if any(s > 1 for s in spec.stride):
+        raise ValueError(f"plan_weight_grad: method='blocks' needs stride 1 in every dim; {spec.describe()}")
+    g, cx, cy, n_, d = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.dilation
+    blocks, dd = spec.dilation_blocks, math.prod(d)
+    x_pads = tuple((lo, hi + u * di - size) for (lo, hi), (u, _), di, size in
+                   zip(spec.x_read_pads, blocks, d, spec.x_read_size))
+    y_pads = tuple((0, m * di - o) for (_, m), di, o in zip(blocks, d, spec.y_size))
+    data_steps = (Pad(x_pads, (n_, cx, *(u * di for (u, _), di in zip(blocks, d)))),
+                  SpaceToDepth(d, g, (cx // g, g * n_ * dd, *(u for u, _ in blocks))))
+    y_pad = (Pad(y_pads, (n_, cy, *(m * di for (_, m), di in zip(blocks, d)))),) if any(hi for _, hi in y_pads) else ()
+    kernel_steps = (*y_pad, SpaceToDepth(d, 1, (cy, n_ * dd, *(m for _, m in blocks))))
+    conv = Conv((1,) * spec.n, (0,) * spec.n, (1,) * spec.n, g, (cx // g, cy, *spec.kernel_size))
+    return data_steps, kernel_steps, conv, (SwapBatchChannels(spec.weight_shape),)
+
+
+BUILDERS = {"kernel": _kernel_plan, "per_sample": _per_sample_plan, "taps": _taps_plan, "blocks": _blocks_plan}

@@ -1,0 +1,194 @@
+"""`convgrad bench`: time every backend against native on a suite of real layers.
+
+For each layer of the suite (:mod:`convgrad.bench.layers`) and each dtype, grad_input,
+grad_weight and both together are timed for every backend, with native always included and
+interleaved in the same rounds, next to a matmul of equal FLOPs (:mod:`convgrad.bench.timing`).
+The command prints rich tables and writes ``results.json``, ``results.md`` and one
+``ratios_<dtype>.png`` per dtype into ``--out`` (:mod:`convgrad.bench.report`). The CPU model,
+core and thread counts (or the GPU) are recorded with every result. On CUDA, native is cuDNN and
+TF32 is switched off, so float32 means float32.
+
+Memory. By default (``--malloc keep``) glibc is told, through ``mallopt``, never to return freed
+memory to the system nor to serve big blocks by fresh ``mmap`` (what jemalloc or tcmalloc do, as
+PyTorch's CPU performance guide recommends). Otherwise every call that allocates a tensor of tens
+of MB pays its page faults again: on a 2-core VM that made MobileNetV2's depthwise grad_input 30 ms
+instead of 4 ms, for every backend alike, and buried the differences being measured.
+
+Example (a tiny suite, for a smoke test):
+    >>> from convgrad import cli
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     cli.main(["bench", "--suite", "smoke", "--layers", "wav2vec2.*", "--backends", "fwdconv",
+    ...               "--repeats", "2", "--min-time", "0", "--out", out, "--quiet"])
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import datetime
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_BACKENDS", "add_arguments", "keep_malloc", "run"]
+
+DEFAULT_BACKENDS = ("fwdconv", "gemm", "auto")  # plus native, always; numpy is too slow to be useful here
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench options (all have defaults)."""
+    parser.add_argument("--suite", default="default", help="suite of layers: default or smoke (default: default)")
+    parser.add_argument("--layers", nargs="+", metavar="PATTERN", help="only layers whose name matches a glob")
+    parser.add_argument("--backends", nargs="+", metavar="NAME",
+                        help=f"backends to time besides native (default: those of {', '.join(DEFAULT_BACKENDS)} "
+                             f"that are registered)")
+    parser.add_argument("--dtype", nargs="+", default=["float32"], choices=DTYPES, metavar="DTYPE",
+                        help="dtypes; float64 runs the suite's float64 subset unless --layers is given "
+                             "(default: float32)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="folder for results.json, results.md and the PNGs (default: ./bench-results)")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds; medians and IQRs over them (default: 7)")
+    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per sample (default: 0.05)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when present)")
+    parser.add_argument("--channels-last", action="store_true", help="input and grad_output in channels_last")
+    parser.add_argument("--malloc", choices=["keep", "system"], default="keep",
+                        help="keep: glibc keeps freed memory (no page faults per call); system: as is (default: keep)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no tables")
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    from convgrad.backends import backend_names, get_backend
+
+    for name, low in (("threads", 1), ("repeats", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"convgrad bench: --{name}={value} must be at least {low}")
+    if args.min_time < 0:
+        raise ValueError(f"convgrad bench: --min-time={args.min_time} must not be negative")
+    wanted = args.backends or [b for b in DEFAULT_BACKENDS if b in backend_names()]
+    for b in wanted:
+        get_backend(b, "convgrad bench")
+    return ["native", *dict.fromkeys(b for b in wanted if b != "native")]
+
+
+def _device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"convgrad bench: --device={name} must be cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"convgrad bench: --device={name} but no CUDA device is available")
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32, for native and the matmul alike
+        torch.backends.cudnn.allow_tf32 = False
+    elif device.type != "cpu":
+        raise ValueError(f"convgrad bench: --device={name} must be cpu, cuda, cuda:N or auto")
+    return device
+
+
+def keep_malloc() -> str:
+    """Ask glibc to keep freed memory: no mmap for big blocks, no trimming. Says what it did."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        if libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1):
+            return "keep (glibc mallopt: no mmap, no trim)"
+    except (OSError, AttributeError):
+        pass
+    return "system (mallopt unavailable)"
+
+
+def _meta(args: argparse.Namespace, device: Any, backends: list[str]) -> dict[str, Any]:
+    import torch
+
+    from convgrad.backends.auto import device_name, get_mode
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    meta = {"suite": args.suite, "device": str(device), "device_model": device_name(device),
+            "cpu_model": device_name(torch.device("cpu")), "cores": cores, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "backends": " ".join(backends), "repeats": args.repeats,
+            "memory_format": "channels_last" if args.channels_last else "contiguous", "auto_mode": get_mode(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "convgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    if device.type == "cuda":
+        meta["tf32"] = "off"
+    return meta
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and write the reports; 0 on success."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ModuleNotFoundError as err:
+        print(f"convgrad bench: needs the demo extras ({err.name} is missing): pip install 'convgrad[demo]'",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    from convgrad.bench import report
+    from convgrad.bench.layers import select
+    from convgrad.bench.timing import time_layer
+
+    backends = _check(args)
+    device = _device(args.device)
+    malloc = keep_malloc() if args.malloc == "keep" else "system"
+    work = [(layer, dtype) for dtype in args.dtype for layer in select(args.suite, args.layers, dtype)]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    meta = _meta(args, device, backends) | {"malloc": malloc}
+    console = Console(quiet=args.quiet)
+    results = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=args.quiet) as progress:
+        bar = progress.add_task("bench", total=len(work) * args.repeats)
+        for layer, dtype in work:
+            progress.update(bar, description=f"{layer.name} {dtype}")
+            rounds = time_layer(layer, dtype, backends, device, threads, args.repeats, args.min_time,
+                                args.channels_last)
+            for _ in range(args.repeats):
+                result = next(rounds)
+                progress.advance(bar)
+            results.append(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report.to_json(results, meta, args.out / "results.json")
+    report.to_markdown(results, meta, args.out / "results.md")
+    pngs = report.write_plots(results, args.out)
+    _print(console, results, meta)
+    console.print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}, {', '.join(map(str, pngs))}")
+    return 0
+
+
+def _print(console: Any, results: list[Any], meta: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from convgrad.bench import report
+
+    console.print(f"{meta['device_model']} ({meta['device']}), {meta['cores']} cores, {meta['threads']} threads, "
+                  f"torch {meta['torch']}, auto mode {meta['auto_mode']}")
+    header, body = report.table_rows(results)
+    table = Table(*header, title="median ms ± IQR (ratio to native)")
+    for row in body:
+        table.add_row(*row)
+    console.print(table)
+    summ = Table("dtype", "backend", "task", "geomean x native", "max (layer)", title="geometric means over layers")
+    for s in report.summary(results):
+        summ.add_row(s["dtype"], s["backend"], s["task"], f"{s['geomean_ratio']:.3f}",
+                     f"{s['max_ratio']:.3f} ({s['worst_layer']})")
+    console.print(summ)
+    goals = Table("goal", "measured", "met", title="targets (issue 4)")
+    for goal, measured, ok in report.targets(results):
+        goals.add_row(goal, measured, "-" if ok is None else "yes" if ok else "NO")
+    console.print(goals)

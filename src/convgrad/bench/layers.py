@@ -1,0 +1,139 @@
+"""Named suites of real convolution layers, each labelled with the network it comes from.
+
+Batch sizes are chosen so that one backward (grad_input and grad_weight) by the native backend
+takes roughly 10 to 500 ms on a 2-core AVX-512 CPU in float32. Every layer runs in float32; the
+layers marked ``float64`` form the float64 subset. ``SUITES["smoke"]`` holds tiny versions of a
+few of them for tests. ``benchmarks/layers.py`` prints the suites.
+
+Example:
+    >>> from convgrad.bench.layers import SUITES
+    >>> layer = SUITES["default"][0]
+    >>> layer.name, layer.network, layer.spec().output_shape
+    ('resnet50.stem7x7s2', 'ResNet-50', (8, 64, 112, 112))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from fnmatch import fnmatch
+from typing import Any
+
+from convgrad.spec import ConvSpec
+
+__all__ = ["SUITES", "Layer", "select"]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One convolution of a real network, in torch's argument names.
+
+    Attributes:
+        name: unique, ``network.layer``.
+        network: the network it comes from.
+        where: where in the network (stage, block).
+        input_shape: ``(N, C_in, *spatial)``; N is the benchmark's batch.
+        weight_shape: ``(C_out, C_in/groups, *k)``, or ``(C_in, C_out/groups, *k)`` when transposed.
+        float64: part of the float64 subset.
+    """
+
+    name: str
+    network: str
+    where: str
+    input_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+    stride: Any = 1
+    padding: Any = 0
+    dilation: Any = 1
+    groups: int = 1
+    transposed: bool = False
+    output_padding: Any = 0
+    float64: bool = False
+
+    def spec(self) -> ConvSpec:
+        """The validated configuration."""
+        return ConvSpec.from_shapes(self.input_shape, self.weight_shape, self.stride, self.padding, self.dilation,
+                                    self.transposed, self.output_padding, self.groups, fn=f"layer {self.name}")
+
+    def gflop(self) -> float:
+        """GFLOP of one gradient (2 per multiply-accumulate; grad_input and grad_weight cost the same)."""
+        return 2 * self.spec().macs() / 1e9
+
+
+def _conv(name: str, network: str, where: str, n: int, cin: int, cout: int, size: Any, k: Any,
+          **kw: Any) -> Layer:
+    size = (size,) if isinstance(size, int) else tuple(size)
+    k = (k,) * len(size) if isinstance(k, int) else tuple(k)
+    g = kw.get("groups", 1)
+    weight = (cin, cout // g, *k) if kw.get("transposed") else (cout, cin // g, *k)
+    return Layer(name, network, where, (n, cin, *size), weight, **kw)
+
+
+_R50 = "ResNet-50"
+_MB2 = "MobileNetV2"
+DEFAULT: tuple[Layer, ...] = (
+    _conv("resnet50.stem7x7s2", _R50, "conv1", 8, 3, 64, (224, 224), 7, stride=2, padding=3),
+    _conv("resnet50.3x3@56", _R50, "layer1 conv2", 8, 64, 64, (56, 56), 3, padding=1, float64=True),
+    _conv("resnet50.3x3@28", _R50, "layer2 conv2", 8, 128, 128, (28, 28), 3, padding=1),
+    _conv("resnet50.3x3@14", _R50, "layer3 conv2", 8, 256, 256, (14, 14), 3, padding=1),
+    _conv("resnet50.3x3@7", _R50, "layer4 conv2", 8, 512, 512, (7, 7), 3, padding=1),
+    _conv("resnet50.3x3s2", _R50, "layer2.0 conv2 (v1.5 stride)", 8, 128, 128, (56, 56), 3, stride=2, padding=1,
+          float64=True),
+    _conv("resnet50.1x1reduce", _R50, "layer1 conv1", 8, 256, 64, (56, 56), 1),
+    _conv("resnet50.1x1expand", _R50, "layer1 conv3", 8, 64, 256, (56, 56), 1, float64=True),
+    _conv("resnet50.1x1s2down", _R50, "layer2.0 downsample", 8, 256, 512, (56, 56), 1, stride=2, float64=True),
+    _conv("mobilenetv2.dw3x3", _MB2, "block 2 depthwise", 16, 144, 144, (56, 56), 3, padding=1, groups=144,
+          float64=True),
+    _conv("mobilenetv2.dw3x3s2", _MB2, "block 3 depthwise", 16, 144, 144, (56, 56), 3, stride=2, padding=1,
+          groups=144),
+    _conv("mobilenetv2.pointwise", _MB2, "block 2 project", 16, 144, 24, (56, 56), 1),
+    _conv("vgg16.3x3", "VGG-16", "conv2_2", 4, 128, 128, (112, 112), 3, padding=1),
+    _conv("deeplabv3.aspp12", "DeepLabv3", "ASPP rate 12 (output stride 16)", 1, 2048, 256, (33, 33), 3,
+          padding=12, dilation=12),
+    _conv("wav2vec2.k10s5", "wav2vec 2.0", "feature extractor conv0", 4, 1, 512, (16000,), 10, stride=5,
+          float64=True),
+    _conv("wav2vec2.k3s2", "wav2vec 2.0", "feature extractor conv1", 2, 512, 512, (3199,), 3, stride=2),
+    _conv("r3d18.3x3x3", "R3D-18", "layer2 conv", 2, 128, 128, (8, 28, 28), 3, padding=1),
+    _conv("resnext50.g32", "ResNeXt-50 32x4d", "layer1 conv2", 8, 128, 128, (56, 56), 3, padding=1, groups=32,
+          float64=True),
+    _conv("dcgan.convT4x4s2", "DCGAN", "generator 16->32", 64, 128, 64, (16, 16), 4, stride=2, padding=1,
+          transposed=True, float64=True),
+    _conv("unet.upconv2x2", "U-Net", "up-conv 28->56", 2, 1024, 512, (28, 28), 2, stride=2, transposed=True),
+)
+
+
+def _shrink(layer: Layer) -> Layer:
+    """A tiny version with the same geometry: batch 1, at most 4 groups of at most 8 channels, at most 40 wide."""
+    g = min(layer.groups, 4)
+    spec = layer.spec()
+    in_g, out_g = min(spec.in_channels // spec.groups, 8), min(spec.out_channels // spec.groups, 8)
+    k = layer.weight_shape[2:]
+    weight = (g * in_g, out_g, *k) if layer.transposed else (g * out_g, in_g, *k)
+    size = tuple(min(s, 40) for s in layer.input_shape[2:])
+    return replace(layer, input_shape=(1, g * in_g, *size), weight_shape=weight, groups=g)
+
+
+SUITES: dict[str, tuple[Layer, ...]] = {
+    "default": DEFAULT,
+    "smoke": tuple(_shrink(layer) for layer in DEFAULT if layer.name in {
+        "resnet50.3x3s2", "resnet50.1x1s2down", "mobilenetv2.dw3x3", "wav2vec2.k10s5", "dcgan.convT4x4s2"}),
+}
+
+
+def select(suite: str, patterns: list[str] | None = None, dtype: str = "float32") -> tuple[Layer, ...]:
+    """The layers of a suite matching any of the glob patterns (all when None); float64: its subset.
+
+    Raises:
+        ValueError: an unknown suite, or patterns that match no layer.
+    """
+    if suite not in SUITES:
+        raise ValueError(f"convgrad bench: --suite={suite!r} must be one of {sorted(SUITES)}")
+    layers = SUITES[suite]
+    if patterns:
+        picked = tuple(layer for layer in layers if any(fnmatch(layer.name, p) for p in patterns))
+        if not picked:
+            raise ValueError(f"convgrad bench: --layers {' '.join(patterns)} match no layer of suite {suite!r}; "
+                             f"its layers are {[layer.name for layer in layers]}")
+        return picked
+    if dtype == "float64":
+        return tuple(layer for layer in layers if layer.float64)
+    return layers

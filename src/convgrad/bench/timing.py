@@ -1,0 +1,134 @@
+"""Timing for `convgrad bench`: every backend, interleaved with native and a matmul of equal FLOPs.
+
+For each layer and dtype, every (backend, task) pair and the reference matmul are timed with
+``torch.utils.benchmark.Timer`` once per round, in rounds that rotate their order, so that load
+on a shared machine hits all of them alike. Each sample is the mean of enough calls to last
+``min_time`` seconds; the report uses the median and the interquartile range of the samples.
+Tasks: ``grad_input``, ``grad_weight`` and ``both`` (one ``Backend.backward`` call). The
+matmul is ``torch.matmul`` of two m x m matrices with 2*m^3 ~= the FLOPs of one gradient: the
+machine's dense throughput, measured in the same run, is the reference for the physical limit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import benchmark
+
+from convgrad.backends import get_backend
+from convgrad.bench.layers import Layer
+
+__all__ = ["TASKS", "LayerTiming", "Sample", "time_layer"]
+
+TASKS = ("grad_input", "grad_weight", "both")
+
+
+@dataclass
+class Sample:
+    """The samples (seconds per call) of one (backend, task), or the reference matmul."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def iqr(self) -> float:
+        """Interquartile range (0 with fewer than 2 samples)."""
+        if len(self.seconds) < 2:
+            return 0.0
+        q = statistics.quantiles(self.seconds, n=4, method="inclusive")
+        return q[2] - q[0]
+
+
+@dataclass
+class LayerTiming:
+    """Everything measured for one layer in one dtype."""
+
+    layer: Layer
+    dtype: str
+    matmul_size: int
+    matmul: Sample
+    samples: dict[tuple[str, str], Sample]  # (backend, task) -> samples
+    auto_choice: dict[str, str] = field(default_factory=dict)  # gradient -> backend chosen by auto
+
+    def median(self, backend: str, task: str) -> float:
+        return self.samples[(backend, task)].median
+
+    def ratio(self, backend: str, task: str) -> float:
+        """Median time relative to native's in the same run."""
+        return self.median(backend, task) / self.median("native", task)
+
+    def gflops(self, backend: str, task: str) -> float:
+        flop = self.layer.gflop() * (2 if task == "both" else 1)
+        return flop / self.median(backend, task)
+
+    def matmul_fraction(self, backend: str, task: str) -> float:
+        """GFLOP/s as a fraction of the reference matmul's GFLOP/s."""
+        matmul_gflops = 2 * self.matmul_size ** 3 / 1e9 / self.matmul.median
+        return self.gflops(backend, task) / matmul_gflops
+
+
+def _tensors(layer: Layer, dtype: torch.dtype, device: torch.device, channels_last: bool) -> dict[str, Any]:
+    spec = layer.spec()
+    g = torch.Generator().manual_seed(0)
+
+    def rand(shape: tuple[int, ...]) -> torch.Tensor:
+        t = torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+        if channels_last and t.dim() in (4, 5):
+            t = t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+        return t
+
+    return {"spec": spec, "input": rand(spec.input_shape), "weight": rand(spec.weight_shape),
+            "grad_output": rand(spec.output_shape)}
+
+
+def _calls(backend: str, t: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    b = get_backend(backend, "convgrad bench")
+    spec, x, w, gy = t["spec"], t["input"], t["weight"], t["grad_output"]
+    return {"grad_input": lambda: b.input_grad(spec, w, gy), "grad_weight": lambda: b.weight_grad(spec, x, gy),
+            "both": lambda: b.backward(spec, gy, x, w, True, True)}
+
+
+def _timer(fn: Callable[[], Any], threads: int) -> benchmark.Timer:
+    return benchmark.Timer("fn()", globals={"fn": fn}, num_threads=threads)
+
+
+def _number(timer: benchmark.Timer, min_time: float) -> int:
+    """Calls per sample so that one sample lasts about min_time (after one warm-up call)."""
+    once = timer.timeit(1).mean
+    return max(1, math.ceil(min_time / max(once, 1e-9)))
+
+
+def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.device, threads: int, repeats: int,
+               min_time: float, channels_last: bool = False) -> Iterator[LayerTiming]:
+    """Time one layer in rounds; yields the (growing) result after every round, for progress bars."""
+    torch_dtype = getattr(torch, dtype)
+    t = _tensors(layer, torch_dtype, device, channels_last)
+    names = ["native", *(b for b in backends if b != "native")]
+    with torch.no_grad():
+        fns = {(b, task): fn for b in names for task, fn in _calls(b, t).items()}
+        m = max(1, round((layer.spec().macs()) ** (1 / 3)))
+        a, c = torch.randn(m, m, dtype=torch_dtype, device=device), torch.randn(m, m, dtype=torch_dtype, device=device)
+        fns[("matmul", "")] = lambda: torch.matmul(a, c)
+        timers = {key: _timer(fn, threads) for key, fn in fns.items()}
+        numbers = {key: _number(timer, min_time) for key, timer in timers.items()}  # first calls also tune auto
+        result = LayerTiming(layer, dtype, m, Sample(), {key: Sample() for key in fns if key[0] != "matmul"})
+        if "auto" in names:
+            from convgrad.backends import auto
+
+            for gradient in ("grad_input", "grad_weight", "both"):
+                choice = auto.chosen(t["spec"], gradient, t["grad_output"])
+                result.auto_choice[gradient] = choice.backend if choice else auto.FIXED_CHOICE
+        keys = list(timers)
+        for r in range(repeats):
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                seconds = timers[key].timeit(numbers[key]).mean
+                (result.matmul if key[0] == "matmul" else result.samples[key]).seconds.append(seconds)
+            yield result

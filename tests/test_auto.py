@@ -1,0 +1,150 @@
+"""The autotuned "auto" backend: fixed mode is native, tuning picks an agreeing candidate once and remembers it.
+
+The rest of the suite runs "auto" in fixed mode (conftest.py); these tests switch tuning on for a
+few small configurations.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import convgrad as cg
+from convgrad.backends import _REGISTRY, Backend, auto, get_backend
+from convgrad.spec import ConvSpec
+from helpers import Case, assert_matches_autograd, make_tensors, reference_grads
+
+CASES = [Case((2, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name="s2"),
+         Case((2, 4, 8), (4, 2, 1), groups=2, name="1d-1x1-groups"),
+         Case((2, 4, 5, 5), (4, 2, 2, 2), stride=2, transposed=True, name="T-2x2s2")]
+
+
+@pytest.fixture
+def tune() -> Iterator[None]:
+    """Tuning on, with nothing remembered before or after."""
+    auto.clear()
+    with auto.tuning_mode("tune"):
+        yield
+    auto.clear()
+
+
+def _grads(case: Case, t: dict[str, torch.Tensor], backend: str = "auto") -> dict[str, torch.Tensor | None]:
+    gi, gw, _ = cg.conv_backward(t["grad_output"], t["input"], t["weight"], None, case.stride, case.padding,
+                                 case.dilation, case.transposed, case.output_padding, case.groups,
+                                 output_mask=(True, True, False), backend=backend)
+    return {"grad_input": gi, "grad_weight": gw}
+
+
+def test_fixed_mode_is_bitwise_native() -> None:
+    case = CASES[0]
+    t = make_tensors(case, torch.float32)
+    with auto.tuning_mode("fixed"):
+        ours = _grads(case, t)
+    for name, value in _grads(case, t, "native").items():
+        assert torch.equal(ours[name], value)
+    assert auto.chosen(case.spec(), "grad_input", t["grad_output"]) is None  # fixed mode remembers nothing
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tuning_chooses_once_per_gradient_and_matches_autograd(tune: None, case: Case,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_tensors(case)
+    calls: list[int] = []
+    real = auto._tune
+    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
+    assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
+    assert len(calls) == 3  # grad_input and grad_weight separately, then both: split or one fused call
+    for gradient in ("grad_input", "grad_weight"):
+        choice = auto.chosen(case.spec(), gradient, t["grad_output"])
+        assert choice is not None and choice.backend in auto.CANDIDATES and not choice.rejected
+        assert set(choice.times) == {n for n in auto.CANDIDATES if n in cg.backends()}
+    both = auto.chosen(case.spec(), "both", t["grad_output"])
+    assert both is not None and both.backend in ("split", "native", "gemm") and "split" in both.times
+    assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
+    assert len(calls) == 3  # remembered
+    assert auto.chosen(case.spec(), "grad_input", t["grad_output"].float()) is None  # per dtype
+
+
+class _Wrong(Backend):
+    """Fast and wrong: zeros (and it claims to share work between the two gradients)."""
+
+    name = "wrong"
+
+    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.new_zeros(spec.input_shape)
+
+    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output.new_zeros(spec.weight_shape)
+
+    def backward(self, spec, grad_output, input, weight, need_input, need_weight):  # type: ignore[no-untyped-def]
+        return self.input_grad(spec, weight, grad_output), self.weight_grad(spec, input, grad_output)
+
+
+def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(_REGISTRY, "wrong", _Wrong())
+    monkeypatch.setattr(auto, "CANDIDATES", ("wrong", "native"))
+    case = CASES[0]
+    t = make_tensors(case)
+    assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
+    for gradient in ("grad_input", "grad_weight", "both"):
+        choice = auto.chosen(case.spec(), gradient, t["grad_output"])
+        assert choice is not None and choice.backend != "wrong" and choice.rejected == ("wrong",), gradient
+
+
+def test_double_backward_while_tuning(tune: None) -> None:
+    x = torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 1, 3, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x, w: cg.conv2d(x, w, stride=2, backend="auto"), (x, w))
+
+
+def test_winners_persist_to_the_cache_file_and_load_back(tune: None, tmp_path: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", str(path))
+    case = CASES[1]
+    t = make_tensors(case)
+    _grads(case, t)
+    data = json.loads(path.read_text())
+    assert data["torch"] == torch.__version__ and len(data["choices"]) == 3  # grad_input, grad_weight, both
+    assert all(entry["backend"] in (*auto.CANDIDATES, "split") for entry in data["choices"].values())
+    auto.clear()
+    monkeypatch.setattr(auto, "_tune", lambda *a: pytest.fail("tuned although the cache file has the winner"))
+    assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", None), ("0", None), ("off", None), ("1", "default"),
+                                                 ("/tmp/x/choices.json", "/tmp/x/choices.json")])
+def test_persistence_is_off_by_default_and_on_by_env(value: str, expected: str | None,
+                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = auto.cache_path()
+    if expected is None:
+        assert path is None
+    elif expected == "default":
+        assert path == tmp_path / "convgrad" / "autotune.json"
+    else:
+        assert str(path) == expected
+
+
+def test_modes_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="mode='fast'"):
+        auto.set_mode("fast")
+    monkeypatch.setattr(auto, "_mode", None)
+    monkeypatch.setenv("CONVGRAD_AUTOTUNE", "sometimes")
+    with pytest.raises(ValueError, match="CONVGRAD_AUTOTUNE='sometimes'"):
+        auto.get_mode()
+    monkeypatch.setenv("CONVGRAD_AUTOTUNE", "fixed")
+    assert auto.get_mode() == "fixed"
+
+
+def test_complex_tensors_tune_only_among_complex_backends(tune: None) -> None:
+    case = CASES[0]
+    t = {k: v.to(torch.complex128) for k, v in make_tensors(case).items()}
+    assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.complex128, str(case))
+    choice = auto.chosen(case.spec(), "grad_input", t["grad_output"])
+    assert choice is not None and all(get_backend(n).supports_complex for n in choice.times)

@@ -1,0 +1,239 @@
+"""The fwdconv plans: which formulation the rules pick, that every formulation matches autograd, and forward ops only.
+
+Covers the polyphase geometry of spec.py (empty phases, gcd(s, d) > 1, d not dividing s, phases
+whose window lies in the padding, 3d), every forced method on the whole grid, channels_last,
+double backward through each formulation, and a TorchDispatchMode proof that fwdconv never runs
+aten.convolution_backward nor a transposed aten.convolution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import convgrad as cg
+from convgrad.backends import fwdconv, fwdconv_weight
+from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS, execute, plan_input_grad, plan_weight_grad
+from convgrad.spec import ConvSpec
+from helpers import TOL, Case, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
+
+# shapes that hit every phase situation of the polyphase grad of x
+PHASE_CASES = [
+    Case((2, 3, 9, 9), (4, 3, 1, 1), stride=2, name="1x1-s2-one-live-phase"),
+    Case((2, 2, 11), (3, 2, 2), stride=3, padding=1, name="k2-s3-empty-phases"),
+    Case((2, 2, 13), (3, 2, 3), stride=4, dilation=2, padding=2, name="gcd2-s4-d2"),
+    Case((2, 2, 12), (2, 2, 3), stride=2, dilation=2, name="gcd2-s2-d2"),
+    Case((2, 2, 14), (3, 2, 3), stride=2, dilation=3, padding=((4, 1),), name="d3-s2-dilated-phases"),
+    Case((2, 2, 3), (2, 2, 2), stride=4, padding=3, name="windows-in-padding"),
+    Case((1, 2, 2), (2, 2, 3), stride=3, padding=2, name="input-shorter-than-stride"),
+    Case((2, 4, 7, 6, 5), (4, 2, 3, 2, 3), stride=(2, 3, 2), dilation=(1, 2, 2), padding=(1, 0, 2), groups=2,
+         name="3d-mixed-phases"),
+    Case((2, 3, 8, 8), (6, 1, 3, 3), stride=2, padding=1, groups=3, name="depthwise-multiplier-s2"),
+    Case((2, 3, 10, 9), (4, 3, 7, 7), stride=2, padding=3, name="stem-like-7x7-s2"),
+    Case((2, 1, 31), (4, 1, 10), stride=5, name="wav2vec-like-k10-s5"),
+    Case((1, 1, 1), (1, 1, 3), stride=2, padding=((3, 0),), name="cropping-x-first-would-empty-it"),
+]
+
+
+def _spec(input_shape: tuple[int, ...], weight_shape: tuple[int, ...], **kw: Any) -> ConvSpec:
+    return ConvSpec.from_shapes(input_shape, weight_shape, **kw)
+
+
+@pytest.mark.parametrize(("spec", "method"), [
+    (_spec((8, 64, 56, 56), (64, 64, 3, 3), padding=1), "direct"),
+    (_spec((8, 128, 56, 56), (128, 128, 3, 3), stride=2, padding=1), "polyphase"),
+    (_spec((8, 3, 224, 224), (64, 3, 7, 7), stride=2, padding=3), "subpixel"),
+    (_spec((16, 144, 56, 56), (144, 1, 3, 3), stride=2, padding=1, groups=144), "polyphase"),  # depthwise
+    (_spec((8, 256, 56, 56), (64, 256, 1, 1)), "matmul"),
+    (_spec((8, 256, 56, 56), (512, 256, 1, 1), stride=2), "polyphase"),
+    (_spec((4, 1, 16000), (512, 1, 10), stride=5), "subpixel"),
+    (_spec((2, 4, 9), (3, 4, 3), stride=2, dilation=3), "polyphase"),  # d does not divide s: no sub-pixel
+], ids=lambda v: v if isinstance(v, str) else v.describe())
+def test_input_rules_pick_the_expected_formulation(spec: ConvSpec, method: str) -> None:
+    assert plan_input_grad(spec).method == method
+
+
+def test_strided_1x1_grad_input_is_one_matmul_phase_and_zeros() -> None:
+    conv = plan_input_grad(_spec((8, 256, 56, 56), (512, 256, 1, 1), stride=2)).conv
+    live = [p for p in conv.phases if p is not None]
+    assert len(conv.phases) == 4 and len(live) == 1 and type(live[0].conv).__name__ == "MatMul"
+    assert plan_input_grad(_spec((8, 256, 56, 56), (512, 256, 1, 1), stride=2)).post_steps == ()
+
+
+@pytest.mark.parametrize(("spec", "method"), [
+    (_spec((8, 64, 56, 56), (64, 64, 3, 3), padding=1), "kernel"),
+    (_spec((8, 256, 56, 56), (64, 256, 1, 1)), "taps"),
+    (_spec((8, 256, 56, 56), (512, 256, 1, 1), stride=2), "taps"),
+    (_spec((2, 1024, 28, 28), (1024, 512, 2, 2), stride=2, transposed=True), "taps"),
+    (_spec((16, 144, 56, 56), (144, 1, 3, 3), padding=1, groups=144), "per_sample"),
+    (_spec((1, 2048, 33, 33), (256, 2048, 3, 3), padding=12, dilation=12), "blocks"),
+    (_spec((8, 128, 56, 56), (128, 4, 3, 3), padding=1, groups=32), "kernel"),
+    (_spec((8, 3, 224, 224), (64, 3, 7, 7), stride=2, padding=3), "per_sample"),  # RGB stem
+    (_spec((4, 1, 16000), (512, 1, 10), stride=5), "per_sample"),  # C_in = 1
+    (_spec((2, 128, 8, 28, 28), (128, 128, 3, 3, 3), padding=1), "per_sample"),  # batch 2
+], ids=lambda v: v if isinstance(v, str) else v.describe())
+def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str) -> None:
+    assert plan_weight_grad(spec).method == method
+
+
+@pytest.mark.parametrize("case", [*PHASE_CASES, *random_cases(12, seed=44)], ids=str)
+def test_phase_taps_are_exactly_the_taps_that_reach_each_row(case: Case) -> None:
+    """Brute force: row u of x gets tap t from output j exactly when u + p_lo = j*s + t*d with 0 <= j < o."""
+    spec = case.spec()
+    if spec.transposed:
+        return
+    for dim, phases in enumerate(spec.phases):
+        i, k, s, d, (lo, _), o = (spec.x_size[dim], spec.kernel_size[dim], spec.stride[dim], spec.dilation[dim],
+                                  spec.padding[dim], spec.y_size[dim])
+        g = math.gcd(s, d)
+        assert sum(p is not None for p in phases) <= s // g
+        for u in range(i):
+            reach = {t for t in range(k) if (u + lo - t * d) % s == 0 and 0 <= (u + lo - t * d) // s < o}
+            p = phases[u % s]
+            if p is None:
+                assert not reach, (dim, u)
+                continue
+            taps = {k - 1 - (p.first + p.step * q) for q in range(p.count)}  # unflipped
+            assert reach <= taps and all((u + lo - t * d) % s == 0 for t in taps), (dim, u, reach, p)
+
+
+def _forced_cases() -> list[Case]:
+    return [*PHASE_CASES, *grid_cases()]
+
+
+@pytest.mark.parametrize("method", INPUT_METHODS)
+@pytest.mark.parametrize("case", _forced_cases(), ids=str)
+def test_every_input_formulation_matches_autograd(case: Case, method: str) -> None:
+    spec = case.spec()
+    if spec.transposed:  # its grad_input is the forward conv itself; no formulations to choose from
+        return
+    try:
+        plan = plan_input_grad(spec, method)
+    except ValueError:
+        assert method == "subpixel" and spec.subpixel_taps is None
+        return
+    t = make_tensors(case)
+    gy = t["grad_output"].unsqueeze(0) if spec.unbatched else t["grad_output"]
+    gi = execute(plan, gy, t["weight"])
+    gi = gi.squeeze(0) if spec.unbatched else gi
+    assert_matches_autograd({"grad_input": gi}, reference_grads(case, t), torch.float64, f"{method} {case}")
+
+
+@pytest.mark.parametrize("method", WEIGHT_METHODS)
+@pytest.mark.parametrize("case", _forced_cases(), ids=str)
+def test_every_weight_formulation_matches_autograd(case: Case, method: str) -> None:
+    spec = case.spec()
+    try:
+        plan = plan_weight_grad(spec, method)
+    except ValueError:
+        assert method == "blocks" and any(s > 1 for s in spec.stride)
+        return
+    t = make_tensors(case)
+    x, gy = t["input"], t["grad_output"]
+    if spec.unbatched:
+        x, gy = x.unsqueeze(0), gy.unsqueeze(0)
+    gw = execute(plan, *((gy, x) if spec.transposed else (x, gy)))
+    assert_matches_autograd({"grad_weight": gw}, reference_grads(case, t), torch.float64, f"{method} {case}")
+
+
+def test_unknown_methods_are_refused() -> None:
+    spec = _spec((1, 1, 5), (1, 1, 3))
+    with pytest.raises(ValueError, match="method='magic'"):
+        plan_input_grad(spec, "magic")
+    with pytest.raises(ValueError, match="method='magic'"):
+        plan_weight_grad(spec, "magic")
+
+
+@pytest.mark.parametrize("shape, weight, kw", [
+    ((2, 8, 9, 9), (6, 8, 3, 3), dict(stride=2, padding=1)),  # polyphase
+    ((2, 3, 9, 9), (6, 3, 3, 3), dict(stride=2, padding=1)),  # sub-pixel
+    ((2, 8, 9, 9), (6, 8, 1, 1), {}),  # pointwise matmul
+    ((2, 8, 9, 9), (6, 8, 1, 1), dict(stride=2)),  # one live matmul phase
+    ((2, 8, 5, 9, 9), (6, 8, 3, 3, 3), dict(stride=2, padding=1)),  # 3d
+])
+def test_channels_last_grad_input_stays_channels_last(shape: tuple[int, ...], weight: tuple[int, ...],
+                                                      kw: dict[str, Any]) -> None:
+    """float32: torch's own float64 3d conv returns contiguous tensors whatever its input."""
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    spec = _spec(shape, weight, **kw)
+    w = torch.randn(weight)
+    gy = torch.randn(spec.output_shape).contiguous(memory_format=fmt)
+    gi = cg.backends.get_backend("fwdconv").input_grad(spec, w, gy)
+    assert gi.is_contiguous(memory_format=fmt), plan_input_grad(spec).method
+    expected = cg.backends.get_backend("native").input_grad(spec, w, gy.contiguous())
+    torch.testing.assert_close(gi, expected, **TOL[torch.float32])
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """force(input_method, weight_method): make the fwdconv rules choose these (plans re-built)."""
+    def force(input_method: str | None, weight_method: str | None) -> None:
+        if input_method:
+            monkeypatch.setattr(fwdconv, "_input_method", lambda spec: (input_method, "forced"))
+        if weight_method:
+            monkeypatch.setattr(fwdconv_weight, "weight_method", lambda spec: (weight_method, "forced"))
+        plan_input_grad.cache_clear()
+        plan_weight_grad.cache_clear()
+
+    yield force
+    plan_input_grad.cache_clear()
+    plan_weight_grad.cache_clear()
+
+
+@pytest.mark.parametrize(("input_method", "weight_method", "case"), [
+    ("polyphase", "kernel", Case((1, 2, 5, 4), (2, 2, 3, 2), stride=2, padding=1, name="s2")),
+    ("subpixel", "per_sample", Case((2, 2, 4, 3), (2, 1, 3, 2), stride=(2, 1), padding=1, groups=2, name="dw")),
+    ("matmul", "taps", Case((2, 2, 3, 3), (2, 2, 1, 1), name="1x1")),
+    ("polyphase", "blocks", Case((1, 2, 6), (2, 2, 2), stride=1, dilation=2, padding=1, name="dilated-1d")),
+    ("polyphase", "taps", Case((1, 1, 2, 4, 4), (2, 1, 1, 2, 2), stride=(1, 2, 2), name="3d-k<=s")),
+], ids=lambda v: v if isinstance(v, str) else str(v))
+def test_double_backward_through_every_formulation(forced: Any, input_method: str, weight_method: str,
+                                                   case: Case) -> None:
+    forced(input_method, weight_method)
+    t = make_tensors(case, bias=False)
+    x, w = t["input"].requires_grad_(), t["weight"].requires_grad_()
+    assert plan_input_grad(case.spec()).method == input_method
+    assert plan_weight_grad(case.spec()).method == weight_method
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return cg.conv(x, w, None, case.stride, case.padding, case.dilation, case.groups, backend="fwdconv")
+
+    assert torch.autograd.gradgradcheck(f, (x, w))
+
+
+class _ConvOps(TorchDispatchMode):
+    """Records every convolution-like aten op and whether aten.convolution ran transposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, bool]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if "conv" in name:
+            self.ops.append((name, name == "convolution" and bool(args[6])))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", [*grid_cases(), *PHASE_CASES], ids=str)
+def test_fwdconv_never_dispatches_a_backward_or_transposed_convolution(case: Case) -> None:
+    t = make_tensors(case)
+    backend = cg.backends.get_backend("fwdconv")
+    spec = case.spec()
+    x, gy = t["input"], t["grad_output"]
+    if spec.unbatched:
+        x, gy = x.unsqueeze(0), gy.unsqueeze(0)
+    with _ConvOps() as log:
+        backend.backward(spec, gy, x, t["weight"], True, True)
+        for method in INPUT_METHODS if not spec.transposed else ():
+            if method != "subpixel" or spec.subpixel_taps is not None:
+                execute(plan_input_grad(spec, method), gy, t["weight"])
+        for method in WEIGHT_METHODS:
+            if method != "blocks" or all(s == 1 for s in spec.stride):
+                execute(plan_weight_grad(spec, method), *((gy, x) if spec.transposed else (x, gy)))
+    assert not any("backward" in name or transposed for name, transposed in log.ops), log.ops
