@@ -22,7 +22,7 @@ from convgrad import cli
 from convgrad._native_choice import known_profiler_ops
 from convgrad._recipe_plot import padded_x_strip, zero_inserted_strip
 from convgrad.backends import fwdconv
-from convgrad.explain_cli import parse_padding
+from convgrad.cli import parse_padding
 from helpers import Case, grid_cases
 
 GRID = grid_cases()

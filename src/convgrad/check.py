@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from convgrad.explain_cli import parse_ints, parse_padding
+from convgrad.cli import add_conv_arguments, parse_ints
 from convgrad.spec import ConvSpec
 
 __all__ = ["TOLERANCE", "Result", "add_arguments", "check_config", "check_model", "check_random", "example_model",
@@ -337,13 +337,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--model", metavar="MODULE:FACTORY", help="check every conv of the model a factory builds")
     mode.add_argument("--random", type=int, metavar="N", help="check N random configurations")
     parser.add_argument("--weight", type=parse_ints, metavar="C,C,...", help="weight size (with --input)")
-    parser.add_argument("--stride", type=parse_ints, default=1, help="int or comma list (default 1)")
-    parser.add_argument("--padding", type=parse_padding, default=0,
-                        help="int, comma list, 'same', 'valid' or per-side pairs like 1:2,0:1 (default 0)")
-    parser.add_argument("--dilation", type=parse_ints, default=1, help="int or comma list (default 1)")
-    parser.add_argument("--groups", type=int, default=1, help="groups (default 1)")
-    parser.add_argument("--transposed", action="store_true", help="a transposed convolution")
-    parser.add_argument("--output-padding", type=parse_ints, default=0, help="transposed only (default 0)")
+    add_conv_arguments(parser)
     parser.add_argument("--input-shape", type=parse_ints, metavar="N,C,...", help="model input size (with --model)")
     parser.add_argument("--dtype", default="float64", help=f"one of {', '.join(DTYPES)} (default float64)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -19,6 +20,47 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("convgrad.bench", "time every backend against native on a suite of real layers"),
     "explain": ("convgrad.explain_cli", "show how a backward is built and which native kernel runs"),
 }
+
+
+def parse_ints(text: str) -> tuple[int, ...] | int:
+    """'3' -> 3, '1,2' -> (1, 2)."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an int or comma-separated ints") from None
+    return values[0] if len(values) == 1 and "," not in text else values
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """'1,3,5' -> (1, 3, 5); a single int is a 1-tuple."""
+    value = parse_ints(text)
+    return (value,) if isinstance(value, int) else value
+
+
+def parse_padding(text: str) -> Any:
+    """'1', '1,2', 'same', 'valid', or per-side pairs '1:2,0:1' (one pair stands for every dim)."""
+    if text in ("same", "valid"):
+        return text
+    if ":" not in text:
+        return parse_ints(text)
+    pairs = []
+    for part in text.split(","):
+        lo, sep, hi = part.partition(":")
+        if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: per-side padding is lo:hi per dim, e.g. 1:2,0:1")
+        pairs.append((int(lo), int(hi)))
+    return tuple(pairs)
+
+
+def add_conv_arguments(parser: argparse.ArgumentParser) -> None:
+    """The convolution hyperparameters shared by `convgrad explain` and `convgrad check`, in torch's names."""
+    parser.add_argument("--stride", type=parse_ints, default=1, help="int or comma list (default 1)")
+    parser.add_argument("--padding", type=parse_padding, default=0,
+                        help="int, comma list, 'same', 'valid' or per-side pairs like 1:2,0:1 (default 0)")
+    parser.add_argument("--dilation", type=parse_ints, default=1, help="int or comma list (default 1)")
+    parser.add_argument("--groups", type=int, default=1, help="groups (default 1)")
+    parser.add_argument("--transposed", action="store_true", help="a transposed convolution")
+    parser.add_argument("--output-padding", type=parse_ints, default=0, help="transposed only (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
