@@ -81,6 +81,44 @@ def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str)
     assert plan_weight_grad(spec).method == method
 
 
+def test_depthwise_one_tap_phase_is_a_per_channel_scale() -> None:
+    conv = plan_input_grad(_spec((16, 144, 56, 56), (144, 1, 3, 3), stride=2, padding=1, groups=144)).conv
+    kinds = sorted(type(p.conv).__name__ for p in conv.phases)
+    assert kinds == ["Conv", "Conv", "Conv", "MatMul"]  # phase (0, 0) gets one tap of each channel's kernel
+
+
+PAIRED_CASES = [  # stride 2 in the last dim and an even big side: both phases of a row written as one complex
+    Case((2, 6, 8, 8), (6, 1, 3, 3), stride=2, padding=1, groups=6, name="depthwise-3x3-s2"),
+    Case((2, 4, 6, 10), (5, 4, 3, 2), stride=(3, 2), padding=(1, 0), name="s3x2-even-kernel"),
+    Case((2, 3, 12), (4, 3, 3), stride=2, dilation=3, padding=2, name="1d-d3-s2"),
+    Case((1, 4, 4, 6, 8), (4, 2, 3, 3, 3), stride=2, padding=1, groups=2, name="3d-grouped-s2"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", PAIRED_CASES, ids=str)
+def test_paired_phases_written_as_complex_match_autograd_and_the_plain_writes(case: Case, dtype: torch.dtype,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = plan_input_grad(case.spec(), "polyphase")
+    t = make_tensors(case, dtype)
+    assert plan.conv._pairs_as_complex(torch.empty(plan.shape, dtype=dtype), t["grad_output"], t["weight"])
+    paired = execute(plan, t["grad_output"], t["weight"])
+    assert_matches_autograd({"grad_input": paired}, reference_grads(case, t), dtype, f"paired {case}")
+    monkeypatch.setattr(type(plan.conv), "_pairs_as_complex", lambda *a: False)
+    plain = execute(plan, t["grad_output"], t["weight"])
+    assert paired.dtype == plain.dtype == dtype and torch.allclose(paired, plain, **TOL[dtype])
+
+
+def test_paired_phases_fall_back_while_a_graph_is_being_built() -> None:
+    case = PAIRED_CASES[0]
+    plan = plan_input_grad(case.spec(), "polyphase")
+    t = make_tensors(case)
+    gy = t["grad_output"].requires_grad_()
+    assert not plan.conv._pairs_as_complex(torch.empty(plan.shape, dtype=gy.dtype), gy, t["weight"])
+    out = execute(plan, gy, t["weight"])
+    assert out.grad_fn is not None  # differentiable: double backward goes through it
+
+
 @pytest.mark.parametrize("case", [*PHASE_CASES, *random_cases(12, seed=44)], ids=str)
 def test_phase_taps_are_exactly_the_taps_that_reach_each_row(case: Case) -> None:
     """Brute force: row u of x gets tap t from output j exactly when u + p_lo = j*s + t*d with 0 <= j < o."""

@@ -244,7 +244,7 @@ def _phase_conv(taps: list[PhaseTaps], groups: int, rows: Shape) -> tuple[Contra
     """The contraction of one phase, the pads it leaves to a Pad (crops only, for a conv), and its output offset."""
     pads = tuple(t.pads for t in taps)
     nd = len(taps)
-    if all(t.count == 1 for t in taps) and groups == 1:  # one tap: a matmul after shifting y
+    if all(t.count == 1 for t in taps):  # one tap: a (grouped) matmul after shifting y
         return MatMul(groups, True, rows), pads, (0,) * nd
     grow = tuple(max(lo, hi, 0) for lo, hi in pads)  # the conv pads symmetrically; its surplus rows are skipped
     start = tuple(p - max(lo, 0) for p, (lo, _) in zip(grow, pads))

@@ -63,7 +63,11 @@ class Phase:
     start: Shape = ()
 
     def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        out = self.conv(pad(data, self.pads), self.taps(kernel))
+        return self.apply(data, self.taps(kernel))
+
+    def apply(self, data: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        """The phase from its taps, already taken from the kernel (once for every batch chunk)."""
+        out = self.conv(pad(data, self.pads), taps)
         if any(self.start):
             out = out[(..., *(slice(b, b + r) for b, r in zip(self.start, self.shape[2:], strict=True)))]
         return out
@@ -100,7 +104,11 @@ def _new_like(data: torch.Tensor, shape: Shape) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PhaseConvs:
-    """Every phase of the big side, each its own small conv, written into rows rho::s; empty phases are zeros."""
+    """Every phase of the big side, each its own small conv, written into rows rho::s; empty phases are zeros.
+
+    With stride 2 in the last dim, the two phases of each row are written at once, as the real and imaginary
+    parts of a complex view of the result (see ``_pairs_as_complex``).
+    """
 
     stride: Shape
     phases: tuple[Phase | None, ...]  # row-major over rho
@@ -108,13 +116,38 @@ class PhaseConvs:
 
     def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         out = _new_like(data, self.shape)
-        for rho, phase in zip(itertools.product(*(range(s) for s in self.stride)), self.phases, strict=True):
+        taps = [None if p is None else p.taps(kernel) for p in self.phases]
+        write = self._write_pairs if self._pairs_as_complex(out, data, kernel) else self._write_phases
+        write(out, data, taps)
+        return out
+
+    def _write_phases(self, out: torch.Tensor, data: torch.Tensor, taps: list[torch.Tensor | None]) -> None:
+        for rho, phase, k in zip(itertools.product(*(range(s) for s in self.stride)), self.phases, taps, strict=True):
             rows = (..., *_phase_rows(self.stride, rho))
-            if phase is None:
+            if phase is None or k is None:
                 out[rows] = 0
             else:
-                out[rows] = phase(data, kernel)[(..., *(slice(0, n) for n in out[rows].shape[2:]))]
-        return out
+                out[rows] = phase.apply(data, k)[(..., *(slice(0, n) for n in out[rows].shape[2:]))]
+
+    def _pairs_as_complex(self, out: torch.Tensor, data: torch.Tensor, kernel: torch.Tensor) -> bool:
+        """Whether the two phases of a stride-2 last dim can be written as the real and imaginary parts of one
+        complex tensor: a stride-2 copy per phase costs about as much as native's whole grad_input for memory-bound
+        layers (MobileNetV2's depthwise 3x3/2); torch.complex interleaves both in one vectorised pass. ``out=``
+        has no autograd, so not while a graph is being built."""
+        if self.stride[-1] != 2 or self.shape[-1] % 2 or not out.is_contiguous() or None in self.phases:
+            return False
+        if out.dtype not in (torch.float32, torch.float64):
+            return False
+        return not (torch.is_grad_enabled() and (data.requires_grad or kernel.requires_grad))
+
+    def _write_pairs(self, out: torch.Tensor, data: torch.Tensor, taps: list[torch.Tensor | None]) -> None:
+        pairs = torch.view_as_complex(out.view(*out.shape[:-1], out.shape[-1] // 2, 2))  # (n, C, *i[:-1], i_last/2)
+        phases = iter(zip(self.phases, taps, strict=True))
+        for lead in itertools.product(*(range(s) for s in self.stride[:-1])):
+            target = pairs[(..., *_phase_rows(self.stride[:-1], lead), slice(None))]
+            rows = (..., *(slice(0, n) for n in target.shape[2:]))
+            (even, k0), (odd, k1) = next(phases), next(phases)
+            torch.complex(even.apply(data, k0)[rows], odd.apply(data, k1)[rows], out=target)  # type: ignore[union-attr, arg-type]
 
     def describe(self) -> str:
         live = [p for p in self.phases if p is not None]

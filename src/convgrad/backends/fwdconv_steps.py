@@ -83,14 +83,16 @@ class MatMul:
         return self._pointwise(data, kernel) if self.pointwise else self._full(data, kernel)
 
     def _pointwise(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        g, (b, o), i = self.groups, self.shape[:2], data.shape[1] // self.groups
+        g, b, o, i = self.groups, data.shape[0], self.shape[1], data.shape[1] // self.groups  # b: a batch chunk too
         spatial = data.shape[2:]
         k = kernel.reshape(g, o // g, i)  # (g, O/g, I)
+        if i == 1 and o == g:  # depthwise: a matmul of 1x1 matrices per channel is a per-channel scale
+            return data * kernel.reshape(1, g, *(1,) * len(spatial))  # (B, C, *S), in data's memory format
         if _channels_last(data) and g == 1:
             out = data.movedim(1, -1).reshape(b * math.prod(spatial), i) @ k[0].t()  # (B*S, O)
             return out.reshape(b, *spatial, o).movedim(-1, 1)  # (B, O, *S), channels last
         out = torch.matmul(k, data.reshape(b, g, i, math.prod(spatial)))  # (B, g, O/g, S)
-        return out.reshape(self.shape)
+        return out.reshape(b, o, *spatial)
 
     def _full(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         g, (b, o) = self.groups, self.shape[:2]
