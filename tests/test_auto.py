@@ -95,6 +95,32 @@ def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monk
         assert choice is not None and choice.backend != "wrong" and choice.rejected == ("wrong",), gradient
 
 
+@pytest.mark.parametrize(("times", "winner"), [
+    ({"native": 1.00, "fwdconv": 0.98, "gemm": 1.20}, "native"),  # 2% faster: within the noise of one tuning
+    ({"native": 1.00, "fwdconv": 0.96, "gemm": 0.99}, "fwdconv"),  # 4% faster: a real win
+    ({"native": 1.00, "fwdconv": 1.01, "gemm": 0.90}, "gemm"),
+])
+def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, float], winner: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto, "_rounds", lambda options, device: {n: times[n] for n in options})
+    x = torch.ones(3)
+    choice, out = auto._tune({n: (lambda: x) for n in times}, x.device)
+    assert choice.backend == winner and choice.times == times and out is x
+    assert auto.PREFER_NATIVE == 1.03
+
+
+def test_batches_up_to_the_next_power_of_two_share_one_tuning(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [auto.batch_bucket(n) for n in (0, 1, 2, 3, 4, 5, 300, 512, 513)] == [0, 1, 2, 4, 4, 8, 512, 512, 1024]
+    calls: list[int] = []
+    real = auto._tune
+    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
+    for batch in (3, 4, 3, 5):  # Poisson-sampled batches: 3 and 4 share the bucket 4; 5 is in the bucket 8
+        case = Case((batch, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name=f"n{batch}")
+        t = make_tensors(case)
+        assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
+    assert len(calls) == 6  # grad_input, grad_weight and both, for the buckets 4 and 8
+
+
 def test_double_backward_while_tuning(tune: None) -> None:
     x = torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 1, 3, 2, dtype=torch.float64, requires_grad=True)
