@@ -61,9 +61,12 @@ class LayerTiming:
     def median(self, backend: str, task: str) -> float:
         return self.samples[(backend, task)].median
 
-    def ratio(self, backend: str, task: str) -> float:
-        """Median time relative to native's in the same run."""
-        return self.median(backend, task) / self.median("native", task)
+    def ratio(self, backend: str, task: str, reference: str = "native") -> float:
+        """Time relative to the reference backend's (native's by default): the median over rounds of the ratio
+        within each round. Both were timed moments apart in every round, so load that comes and goes over a
+        run cancels out of each ratio instead of landing on whichever backend it happened to hit."""
+        ours, ref = self.samples[(backend, task)].seconds, self.samples[(reference, task)].seconds
+        return statistics.median(a / b for a, b in zip(ours, ref, strict=True))
 
     def gflops(self, backend: str, task: str) -> float:
         flop = self.layer.gflop() * (2 if task == "both" else 1)
