@@ -6,12 +6,13 @@ grad_input and grad_weight, because the fastest formulation differs per gradient
 Like ``torch.backends.cudnn.benchmark``: the first time a (configuration, gradient, dtype, device,
 memory format, thread count) is seen, batch sizes counted up to the next power of two, every
 candidate computes the gradient on the real tensors once as a probe, and those that agree with
-native within tolerance are timed, interleaved, a few times each; the fastest is remembered for
-the rest of the process. A candidate that disagreed with native on the probe is never chosen, and
-one that beats native by less than ``PREFER_NATIVE`` (3%, about the noise of one tuning) is not
-either. When both gradients are wanted, one more choice is tuned
-("both"): the two per-gradient winners one after the other ("split"), or the single call of a
-backend that computes both and shares work (native's aten.convolution_backward, gemm's columns).
+native within tolerance are timed, interleaved, a few times each; the fastest, by the median over
+rounds of its time over native's in the same round, is remembered for the rest of the process. A
+candidate that disagreed with native on the probe is never chosen, and one that beats native by
+less than ``PREFER_NATIVE`` (3%, about the noise of one tuning) is not either. When both gradients
+are wanted, one more choice is tuned ("both"): the two per-gradient winners one after the other
+("split"), or the single call of a backend that computes both and shares work (native's
+aten.convolution_backward, gemm's columns).
 Tuning runs under ``torch.no_grad()``; when no graph is being built, the winner's probe result is
 returned, so the first call costs only the extra timings.
 
@@ -33,9 +34,9 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,8 +57,8 @@ MODES = ("tune", "fixed")
 # agreement with native on the probe: max |a - native| <= RTOL * max |native| + ATOL (per real dtype)
 _AGREE = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-3, 1e-6), torch.float16: (2e-2, 1e-3),
           torch.bfloat16: (5e-2, 1e-2)}
-_TIME_BUDGET_S = 0.5  # wall time after which the timed rounds of one tuning stop, close call or not
-_MIN_ROUNDS, _MAX_ROUNDS = 3, 10
+_TIME_BUDGET_S = 1.0  # wall time after which the timed rounds of one tuning stop, close call or not
+_MIN_ROUNDS, _MAX_ROUNDS = 3, 15
 _CLEAR_MARGIN = 1.1  # stop after _MIN_ROUNDS once the runner-up is this much slower than the best
 # Another option replaces native only when its best time beats native's by more than this factor. Timings of one
 # tuning carry a few percent of noise on a shared machine; a winner by less than that was often slower than native
@@ -70,7 +71,7 @@ Gradient = Callable[[Backend], torch.Tensor]
 
 @dataclass(frozen=True)
 class Choice:
-    """The outcome of one tuning: the winner, each agreeing candidate's best time (s), the rejected ones."""
+    """The outcome of one tuning: the winner, each agreeing candidate's median time (s), the rejected ones."""
 
     backend: str
     times: dict[str, float]
@@ -270,32 +271,47 @@ def _timed(option: Callable[[], Result], device: torch.device) -> tuple[Result, 
 
 
 def _tune(options: dict[str, Callable[[], Result]], device: torch.device) -> tuple[Choice, Result]:
-    """Probe every option against "native", then time the agreeing ones in interleaved rounds; min time wins."""
+    """Probe every option against "native", then time the agreeing ones in interleaved rounds; the option with
+    the lowest median ratio to native within a round wins, if it beats native by more than PREFER_NATIVE."""
     with torch.no_grad():
         outs = {name: option() for name, option in options.items()}  # the probe, also the warm-up
         ref = outs["native"]
         if not _finite(ref):
             return Choice("native", {}, ()), ref
         ok = [n for n in options if n == "native" or _agrees(outs[n], ref)]
-        best = _rounds({n: options[n] for n in ok}, device)
-    winner = min(best, key=lambda n: (best[n], n != "native"))
-    if best[winner] * PREFER_NATIVE > best["native"]:
+        samples = _rounds({n: options[n] for n in ok}, device)
+    ratios = _paired(samples)
+    winner = min(ratios, key=lambda n: (ratios[n], n != "native"))
+    if ratios[winner] * PREFER_NATIVE > 1.0:
         winner = "native"
-    return Choice(winner, best, tuple(n for n in options if n not in ok)), outs[winner]
+    times = {n: statistics.median(s) for n, s in samples.items()}
+    return Choice(winner, times, tuple(n for n in options if n not in ok)), outs[winner]
 
 
-def _rounds(options: dict[str, Callable[[], Result]], device: torch.device) -> dict[str, float]:
-    """Best time of each option over interleaved rounds (order rotating): at least _MIN_ROUNDS, then more while
-    the two fastest are within _CLEAR_MARGIN of each other, up to _MAX_ROUNDS or _TIME_BUDGET_S."""
-    names, best, spent = list(options), dict.fromkeys(options, math.inf), 0.0
+def _paired(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Each option's median over rounds of its time over native's in the same round (native: 1.0).
+
+    Paired within a round, load that comes and goes during the tuning cancels out of each ratio; the
+    median, not the best time, is what a layer then runs at (`convgrad bench` reports the same statistic).
+    """
+    ref = samples["native"]
+    return {n: statistics.median(t / r for t, r in zip(s, ref, strict=True)) for n, s in samples.items()}
+
+
+def _rounds(options: dict[str, Callable[[], Result]], device: torch.device) -> dict[str, list[float]]:
+    """Each option's times over interleaved rounds (order rotating): at least _MIN_ROUNDS, then more while the
+    two fastest are within _CLEAR_MARGIN of each other, up to _MAX_ROUNDS or _TIME_BUDGET_S."""
+    names, samples, spent = list(options), {n: [] for n in options}, 0.0
     for r in range(_MAX_ROUNDS):
         for n in names[r % len(names):] + names[:r % len(names)]:
             seconds = _timed(options[n], device)[1]
-            best[n], spent = min(best[n], seconds), spent + seconds
-        times = sorted(best.values())
-        if r + 1 >= _MIN_ROUNDS and (len(times) < 2 or times[1] > _CLEAR_MARGIN * times[0] or spent > _TIME_BUDGET_S):
+            samples[n].append(seconds)
+            spent += seconds
+        ratios = sorted(_paired(samples).values())
+        clear = len(ratios) < 2 or ratios[1] > _CLEAR_MARGIN * ratios[0]
+        if r + 1 >= _MIN_ROUNDS and (clear or spent > _TIME_BUDGET_S):
             break
-    return best
+    return samples
 
 
 def _candidates(like: torch.Tensor) -> list[Backend]:
