@@ -137,7 +137,8 @@ def to_markdown(results: list[LayerTiming], meta: dict[str, Any], path: Path) ->
     lines = [f"# convgrad bench: suite {meta['suite']}", "",
              "| " + " | ".join(f"{k}: {v}" for k, v in meta.items() if k != "command") + " |", "",
              f"Command: `{meta['command']}`", "",
-             "Times are medians over the rounds ± interquartile range; ratios are to native in the same run.", "",
+             "Times are medians over the rounds ± interquartile range; a ratio is the median over the rounds of "
+             "the time over native's in the same round.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     lines += ["", "## Geometric means over layers", "", "| dtype | backend | task | geomean x native | max (layer) |",
