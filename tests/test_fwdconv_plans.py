@@ -119,6 +119,32 @@ def test_paired_phases_fall_back_while_a_graph_is_being_built() -> None:
     assert out.grad_fn is not None  # differentiable: double backward goes through it
 
 
+def _depthwise_s2(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return cg.conv2d(a, w, stride=2, padding=1, groups=2, backend="fwdconv")
+
+
+def test_paired_phases_under_vmap_jacrev_and_forward_ad() -> None:
+    """Transforms see through none of torch.complex's out=: the plain writes run under them (even sizes, stride 2)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((1, 2, 4, 4), (2, 1, 3, 3)))
+    ref = torch.func.jacrev(lambda a: torch.nn.functional.conv2d(a, w, stride=2, padding=1, groups=2))(x)
+    assert torch.allclose(torch.func.jacrev(lambda a: _depthwise_s2(a, w))(x), ref)
+    assert torch.allclose(torch.func.hessian(lambda a: _depthwise_s2(a, w).pow(2).sum())(x).sum(), torch.func.hessian(
+        lambda a: torch.nn.functional.conv2d(a, w, stride=2, padding=1, groups=2).pow(2).sum())(x).sum())
+    gy, t = (torch.randn(2, 2, 2, 2, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def input_grad(v: torch.Tensor) -> torch.Tensor:
+        return cg.conv_input_grad((2, 2, 4, 4), w, v, stride=2, padding=1, groups=2, backend="fwdconv")
+
+    _, tangent = torch.func.jvp(input_grad, (gy,), (t,))
+    assert torch.allclose(tangent, input_grad(t))  # linear in grad_output: the tangent is the map applied to t
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(gy, t)
+        assert torch.allclose(torch.autograd.forward_ad.unpack_dual(input_grad(dual)).tangent, input_grad(t))
+    batched = torch.func.vmap(input_grad)(torch.stack([gy, t]))
+    assert torch.allclose(batched, torch.stack([input_grad(gy), input_grad(t)]))
+
+
 @pytest.mark.parametrize("case", [*PHASE_CASES, *random_cases(12, seed=44)], ids=str)
 def test_phase_taps_are_exactly_the_taps_that_reach_each_row(case: Case) -> None:
     """Brute force: row u of x gets tap t from output j exactly when u + p_lo = j*s + t*d with 0 <= j < o."""

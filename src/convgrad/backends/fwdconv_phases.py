@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 
 from convgrad._ops import pad
 from convgrad.backends.fwdconv_steps import Contraction, _channels_last, _contraction_code, _dims, _flat, _slices
@@ -102,6 +103,14 @@ def _new_like(data: torch.Tensor, shape: Shape) -> torch.Tensor:
     return data.new_empty(shape)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """A plain tensor: no subclass, no functorch wrapper (vmap, grad, jvp, jacrev) and no forward-AD tangent."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)  # private: when missing, assume so
+    return wrapped is not None and not wrapped(t) and forward_ad.unpack_dual(t).tangent is None
+
+
 @dataclass(frozen=True)
 class PhaseConvs:
     """Every phase of the big side, each its own small conv, written into rows rho::s; empty phases are zeros.
@@ -133,12 +142,14 @@ class PhaseConvs:
         """Whether the two phases of a stride-2 last dim can be written as the real and imaginary parts of one
         complex tensor: a stride-2 copy per phase costs about as much as native's whole grad_input for memory-bound
         layers (MobileNetV2's depthwise 3x3/2); torch.complex interleaves both in one vectorised pass. ``out=``
-        has no autograd, so not while a graph is being built."""
+        has no autograd, no forward AD and no vmap rule, so not while a graph is built nor under a transform."""
         if self.stride[-1] != 2 or self.shape[-1] % 2 or not out.is_contiguous() or None in self.phases:
             return False
-        if out.dtype not in (torch.float32, torch.float64):
+        if out.dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
+            return False  # compiled: the plain writes trace into one graph, an out= op would break it
+        if torch.is_grad_enabled() and (data.requires_grad or kernel.requires_grad):
             return False
-        return not (torch.is_grad_enabled() and (data.requires_grad or kernel.requires_grad))
+        return _plain(data) and _plain(kernel)
 
     def _write_pairs(self, out: torch.Tensor, data: torch.Tensor, taps: list[torch.Tensor | None]) -> None:
         pairs = torch.view_as_complex(out.view(*out.shape[:-1], out.shape[-1] // 2, 2))  # (n, C, *i[:-1], i_last/2)
