@@ -122,6 +122,19 @@ def test_batches_up_to_the_next_power_of_two_share_one_tuning(tune: None, monkey
     assert len(calls) == 6  # grad_input, grad_weight and both, for the buckets 4 and 8
 
 
+def test_no_tuning_under_batched_grads(tune: None) -> None:
+    """is_grads_batched runs the backward under the legacy vmap, where values cannot be read: native, no tuning."""
+    case = CASES[0]
+    t = make_tensors(case)
+    x = t["input"].requires_grad_()
+    y = cg.conv(x, t["weight"], stride=case.stride, padding=case.padding)
+    vs = torch.randn(2, *y.shape, dtype=y.dtype)
+    ours = torch.autograd.grad(y, x, vs, is_grads_batched=True, retain_graph=True)[0]
+    assert auto.chosen(case.spec(), "grad_input", t["grad_output"]) is None
+    ref = torch.stack([torch.autograd.grad(y, x, v, retain_graph=True)[0] for v in vs])  # these calls tune
+    torch.testing.assert_close(ours, ref, rtol=1e-7, atol=1e-9)
+
+
 def test_double_backward_while_tuning(tune: None) -> None:
     x = torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 1, 3, 2, dtype=torch.float64, requires_grad=True)

@@ -135,6 +135,23 @@ def test_vmap_of_grad_gives_per_sample_gradients(backend: str, device: torch.dev
         torch.testing.assert_close(ours[1][i], ref[1], **TOL[F64])
 
 
+@pytest.mark.parametrize("size", [(7, 6), (8, 8)], ids=["odd-output", "even-output"])
+@pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
+def test_batched_grads_and_vectorized_jacobian(backend: str, size: tuple[int, int], device: torch.device) -> None:
+    """autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run the backward under the legacy vmap,
+    which batches neither an alias (indexing that keeps a whole dim) nor an out= op; auto does not tune there."""
+    _, w, _ = _operands(device)
+    x = torch.randn(2, 4, *size, dtype=F64, device=device, requires_grad=True)
+    vs = torch.randn(3, *_native_conv(x, w).shape, dtype=F64, device=device)  # 3 grad_outputs at once
+    ours = torch.autograd.grad(cg.conv(x, w, **KW, backend=backend), (x,), vs, is_grads_batched=True)[0]
+    ref = torch.autograd.grad(_native_conv(x, w), (x,), vs, is_grads_batched=True)[0]
+    torch.testing.assert_close(ours, ref, **TOL[F64])
+    jac = torch.autograd.functional.jacobian(lambda ww: cg.conv(x.detach(), ww, **KW, backend=backend), w,
+                                             vectorize=True)
+    torch.testing.assert_close(jac, torch.autograd.functional.jacobian(lambda ww: _native_conv(x.detach(), ww), w),
+                               **TOL[F64])
+
+
 @pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
 def test_grad_and_second_order_through_torch_func(backend: str, device: torch.device) -> None:
     x, w, _ = _operands(device)

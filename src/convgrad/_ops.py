@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 
 Pair = tuple[int, int]
 
@@ -22,8 +23,32 @@ def pad(t: torch.Tensor, pairs: Sequence[Pair], mode: str = "constant") -> torch
         if any(v > 0 for v in flat):
             t = pad(t, [(max(lo, 0), max(hi, 0)) for lo, hi in pairs])
         n = len(pairs)
-        return t[(..., *(slice(max(-lo, 0), t.shape[j - n] - max(-hi, 0)) for j, (lo, hi) in enumerate(pairs)))]
+        return sliced(t, [slice(max(-lo, 0), t.shape[j - n] - max(-hi, 0)) for j, (lo, hi) in enumerate(pairs)])
     return F.pad(t, flat, mode=mode)
+
+
+def sliced(t: torch.Tensor, slices: Sequence[slice], start_dim: int | None = None) -> torch.Tensor:
+    """t with one slice per dim from start_dim on (default: the trailing len(slices) dims).
+
+    A slice that keeps its whole dim is skipped: indexing that keeps everything returns an alias,
+    which the legacy vmap behind ``autograd.grad(..., is_grads_batched=True)`` cannot batch.
+    """
+    start = t.dim() - len(slices) if start_dim is None else start_dim
+    for dim, s in enumerate(slices, start):
+        if s.indices(t.shape[dim]) != (0, t.shape[dim], 1):
+            t = t[(slice(None),) * dim + (s,)]
+    return t
+
+
+def plain(t: torch.Tensor) -> bool:
+    """A plain tensor: no subclass, no functorch wrapper (vmap, grad, jvp, jacrev), not batched by the legacy
+    vmap of ``is_grads_batched``, no forward-AD tangent. Only such tensors may take paths that read values
+    (autotuning) or write through ``out=`` (no batching or forward-AD rules)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    checks = [getattr(torch._C._functorch, name, None)  # private: when one is missing, assume wrapped
+              for name in ("is_functorch_wrapped_tensor", "is_legacy_batchedtensor")]
+    return all(c is not None and not c(t) for c in checks) and forward_ad.unpack_dual(t).tangent is None
 
 
 def placeholder(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from convgrad._ops import plain
 from convgrad.backends import Backend, backend_names, get_backend, register
 from convgrad.spec import ConvSpec
 
@@ -233,10 +234,10 @@ def _save() -> None:
 
 
 def _tunable(*tensors: torch.Tensor) -> bool:
-    """Real tensors only: no tuning while compiling, on meta/fake tensors or tensor subclasses."""
+    """Real tensors only: no tuning while compiling, on meta/fake tensors, subclasses, or under vmap or forward AD."""
     if torch.compiler.is_compiling():
         return False
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type != "meta" for t in tensors)
+    return all(plain(t) and t.device.type != "meta" for t in tensors)
 
 
 Result = Any  # a gradient, or a (grad_input, grad_weight) pair

@@ -16,9 +16,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.autograd import forward_ad
 
-from convgrad._ops import pad
+from convgrad._ops import pad, plain, sliced
 from convgrad.backends.fwdconv_steps import Contraction, _channels_last, _contraction_code, _dims, _flat, _slices
 from convgrad.spec import Pair, PhaseTaps
 
@@ -70,7 +69,7 @@ class Phase:
         """The phase from its taps, already taken from the kernel (once for every batch chunk)."""
         out = self.conv(pad(data, self.pads), taps)
         if any(self.start):
-            out = out[(..., *(slice(b, b + r) for b, r in zip(self.start, self.shape[2:], strict=True)))]
+            out = sliced(out, [slice(b, b + r) for b, r in zip(self.start, self.shape[2:], strict=True)])
         return out
 
     def describe(self) -> str:
@@ -103,14 +102,6 @@ def _new_like(data: torch.Tensor, shape: Shape) -> torch.Tensor:
     return data.new_empty(shape)
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """A plain tensor: no subclass, no functorch wrapper (vmap, grad, jvp, jacrev) and no forward-AD tangent."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        return False
-    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)  # private: when missing, assume so
-    return wrapped is not None and not wrapped(t) and forward_ad.unpack_dual(t).tangent is None
-
-
 @dataclass(frozen=True)
 class PhaseConvs:
     """Every phase of the big side, each its own small conv, written into rows rho::s; empty phases are zeros.
@@ -136,7 +127,7 @@ class PhaseConvs:
             if phase is None or k is None:
                 out[rows] = 0
             else:
-                out[rows] = phase.apply(data, k)[(..., *(slice(0, n) for n in out[rows].shape[2:]))]
+                out[rows] = sliced(phase.apply(data, k), [slice(0, n) for n in out[rows].shape[2:]])
 
     def _pairs_as_complex(self, out: torch.Tensor, data: torch.Tensor, kernel: torch.Tensor) -> bool:
         """Whether the two phases of a stride-2 last dim can be written as the real and imaginary parts of one
@@ -149,16 +140,16 @@ class PhaseConvs:
             return False  # compiled: the plain writes trace into one graph, an out= op would break it
         if torch.is_grad_enabled() and (data.requires_grad or kernel.requires_grad):
             return False
-        return _plain(data) and _plain(kernel)
+        return plain(data) and plain(kernel)
 
     def _write_pairs(self, out: torch.Tensor, data: torch.Tensor, taps: list[torch.Tensor | None]) -> None:
         pairs = torch.view_as_complex(out.view(*out.shape[:-1], out.shape[-1] // 2, 2))  # (n, C, *i[:-1], i_last/2)
         phases = iter(zip(self.phases, taps, strict=True))
         for lead in itertools.product(*(range(s) for s in self.stride[:-1])):
             target = pairs[(..., *_phase_rows(self.stride[:-1], lead), slice(None))]
-            rows = (..., *(slice(0, n) for n in target.shape[2:]))
-            (even, k0), (odd, k1) = next(phases), next(phases)
-            torch.complex(even.apply(data, k0)[rows], odd.apply(data, k1)[rows], out=target)  # type: ignore[union-attr, arg-type]
+            rows = [slice(0, n) for n in target.shape[2:]]
+            even, odd = (sliced(p.apply(data, k), rows) for p, k in (next(phases), next(phases)))  # type: ignore[union-attr, arg-type]
+            torch.complex(even, odd, out=target)
 
     def describe(self) -> str:
         live = [p for p in self.phases if p is not None]
@@ -245,7 +236,7 @@ class DepthToSpace:
         for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
             where = (..., *_phase_rows(self.stride, rho))
             rows_of_p = (slice(b, b + m) for b, m in zip(start, grouped[where].shape[3:], strict=True))
-            grouped[where] = phases[:, :, p][(..., *rows_of_p)]
+            grouped[where] = sliced(phases[:, :, p], list(rows_of_p))
         return out
 
     def describe(self) -> str:

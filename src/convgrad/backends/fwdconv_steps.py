@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from convgrad._ops import sliced
 from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
@@ -148,7 +149,7 @@ class FoldTaps:
         nd, g = len(self.kernel_size), self.groups
         for j, (k, s, d) in enumerate(zip(self.kernel_size, self.stride, self.dilation)):
             x = x.unfold(2 + j, d * (k - 1) + 1, s)  # (N, C_x, *o, *window) after every dim
-        x = x[(..., *(slice(None, None, d) for d in self.dilation))]  # (N, C_x, *o, *k)
+        x = sliced(x, [slice(None, None, d) for d in self.dilation])  # (N, C_x, *o, *k)
         x = x.reshape(n, g, c_x // g, *x.shape[2:])  # (N, g, C_x/g, *o, *k)
         taps, outs = range(3 + nd, 3 + 2 * nd), range(3, 3 + nd)
         return x.permute(2, *taps, 1, 0, *outs).reshape(self.shape)  # (C_x/g*T, g*N, *o)

@@ -41,7 +41,7 @@ import itertools
 
 import torch
 
-from convgrad._ops import pad
+from convgrad._ops import pad, sliced
 from convgrad.backends import Backend, register
 from convgrad.spec import ConvSpec
 
@@ -99,20 +99,20 @@ def _windows(spec: ConvSpec, x: torch.Tensor) -> torch.Tensor:
     xr = pad(x, spec.x_read_pads)  # (Nc, C_x, *x_read_size)
     for j, (extent, s) in enumerate(zip(spec.kernel_extent, spec.stride)):
         xr = xr.unfold(2 + j, extent, s)  # the window of dim j is appended last
-    xr = xr[(..., *(slice(None, None, d) for d in spec.dilation))]  # (Nc, C_x, *o, *k)
-    xr = xr.unflatten(1, (g, spec.x_channels // g))  # (Nc, g, C_x/g, *o, *k)
+    xr = sliced(xr, [slice(None, None, d) for d in spec.dilation])  # (Nc, C_x, *o, *k)
+    xr = xr.view(xr.shape[0], g, spec.x_channels // g, *xr.shape[2:])  # (Nc, g, C_x/g, *o, *k)
     return xr.permute(1, 2, *range(3 + n, 3 + 2 * n), 0, *range(3, 3 + n))  # (g, C_x/g, *k, Nc, *o)
 
 
 def _columns(spec: ConvSpec, win: torch.Tensor, block: slice) -> torch.Tensor:
     """im2col of one channel block: windows (g, C_x/g, *k, Nc, *o) -> (g, Cb*T, Nc*P), a copy."""
-    return win[:, block].reshape(spec.groups, -1, win.shape[2 + spec.n] * spec.positions)  # (g, Cb*T, Nc*P)
+    return sliced(win, [block], 1).reshape(spec.groups, -1, win.shape[2 + spec.n] * spec.positions)  # (g, Cb*T, Nc*P)
 
 
 def _fold_into(spec: ConvSpec, xr: torch.Tensor, cols: torch.Tensor, block: slice) -> None:
     """col2im of one channel block: add cols (g, Cb*T, Nc*P) into xr[:, block], xr (g, C_x/g, Nc, *x_read)."""
     k, o = spec.kernel_size, spec.y_size
-    dst = xr[:, block]  # (g, Cb, Nc, *x_read_size)
+    dst = sliced(xr, [block], 1)  # (g, Cb, Nc, *x_read_size)
     cols = cols.view(*dst.shape[:2], *k, dst.shape[2], *o)  # (g, Cb, *k, Nc, *o)
     for tap in itertools.product(*(range(kj) for kj in k)):
         dst[(..., *spec.tap_window(tap))] += cols[(slice(None), slice(None), *tap)]  # (g, Cb, Nc, *o)
@@ -120,7 +120,7 @@ def _fold_into(spec: ConvSpec, xr: torch.Tensor, cols: torch.Tensor, block: slic
 
 def _x_tensor(spec: ConvSpec, xr: torch.Tensor) -> torch.Tensor:
     """(g, C_x/g, Nc, *x_read_size) -> x (Nc, C_x, *i): crop the padding, zero the rows no output read."""
-    xr = xr.flatten(0, 1).transpose(0, 1)  # (Nc, C_x, *x_read_size)
+    xr = xr.reshape(-1, *xr.shape[2:]).transpose(0, 1)  # (Nc, C_x, *x_read_size)
     return pad(xr, [(-lo, -hi) for lo, hi in spec.x_read_pads])  # (Nc, C_x, *i)
 
 

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from convgrad._ops import pad
+from convgrad._ops import pad, sliced
 from convgrad.backends.fwdconv import Conv, _pad_or_fold
 from convgrad.spec import ConvSpec
 
@@ -103,7 +103,7 @@ def im2col(spec: ConvSpec, x: torch.Tensor) -> torch.Tensor:
     x = pad(x, spec.x_read_pads)  # (n, C_x, *x_read_size): exactly the rows the conv reads
     for j, (span, s) in enumerate(zip(spec.kernel_extent, spec.stride)):
         x = x.unfold(2 + j, span, s)  # (n, C_x, *o, *span) after the last dim
-    x = x[(..., *(slice(None, None, d) for d in spec.dilation))]  # (n, C_x, *o, *k)
+    x = sliced(x, [slice(None, None, d) for d in spec.dilation])  # (n, C_x, *o, *k)
     nd = spec.n
     x = x.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))  # (n, C_x, *k, *o)
     buf = empty(tuple(x.shape), x).copy_(x)  # (n, C_x, *k, *o), contiguous
