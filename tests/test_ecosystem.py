@@ -281,6 +281,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
             grads[name] = [p.grad for p in model.parameters()]
         if rank == 0:
             torch.save(grads, out)
+        dist.barrier()  # neither rank tears its connections down while the other still uses them (gloo aborts)
     finally:
         dist.destroy_process_group()
 

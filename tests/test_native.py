@@ -36,3 +36,17 @@ def test_weight_grad_passes_a_zero_stride_placeholder_weight() -> None:
         gw = cg.conv_weight_grad(x, (4, 3, 3, 3), gy, stride=2, backend="native")
     assert mode.weights[0].shape == (4, 3, 3, 3) and mode.weights[0].stride() == (0, 0, 0, 0)
     torch.testing.assert_close(gw, torch.nn.grad.conv2d_weight(x, (4, 3, 3, 3), gy, stride=2))
+
+
+def test_layouts_pytorch_rejects_are_retried_contiguous() -> None:
+    """channels_last input and weight whose size-1 dims make the strides ambiguous: aten's slow kernel raises
+    "grad_weight must be contiguous" (torch autograd too); the native backend retries on contiguous copies."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 2, 1, generator=g, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(1, 2, 2, 1, generator=g, dtype=torch.float64).permute(3, 2, 1, 0).contiguous().permute(3, 2, 1, 0)
+    gy = torch.randn(1, 1, 1, 1, generator=g, dtype=torch.float64)
+    gi, gw, _ = cg.conv_backward(gy, x, w, None, output_mask=(True, True, False), backend="native")
+    ref = torch.ops.aten.convolution_backward(gy, x.contiguous(), w.contiguous(), None, [1, 1], [0, 0], [1, 1], False,
+                                              [0, 0], 1, [True, True, False])
+    torch.testing.assert_close(gi, ref[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(gw, ref[1], rtol=1e-12, atol=0)

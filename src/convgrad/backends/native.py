@@ -49,6 +49,24 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     return out
 
 
+def _convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, spec: ConvSpec,
+                          mask: list[bool]) -> tuple[torch.Tensor | None, ...]:
+    """aten.convolution_backward; once more on contiguous copies when PyTorch rejects a layout.
+
+    PyTorch's non-oneDNN CPU kernels (float64, or float32 when size-1 dims make the strides ambiguous)
+    fail with "slow_conv2d: grad_weight must be contiguous" for some channels_last input and weight
+    pairs, e.g. input (1, 2, 2, 1) in channels_last with a weight of the same shape and reversed
+    strides; torch's own autograd fails there too (found by tests/test_fuzz.py).
+    """
+    try:
+        return torch.ops.aten.convolution_backward(grad_output, input, weight, None, *_aten_args(spec), mask)
+    except RuntimeError as e:
+        if "must be contiguous" not in str(e):
+            raise
+        tensors = (t.contiguous() for t in (grad_output, input, weight))
+        return torch.ops.aten.convolution_backward(*tensors, None, *_aten_args(spec), mask)
+
+
 @register
 class NativeBackend(Backend):
     """aten.convolution_backward: whatever kernel PyTorch picks for this device and dtype."""
@@ -82,9 +100,7 @@ class NativeBackend(Backend):
             grad_output = pad(grad_output, excess)
         else:
             input = pad(input, excess)
-        gi, gw, _ = torch.ops.aten.convolution_backward(
-            grad_output, input, weight, None, *_aten_args(spec), [need_input, need_weight, False]
-        )
+        gi, gw, _ = _convolution_backward(grad_output, input, weight, spec, [need_input, need_weight, False])
         if gi is not None and not spec.transposed:
             gi = pad(gi, [(-lo, -hi) for lo, hi in excess])
         return (gi if need_input else None), (gw if need_weight else None)
