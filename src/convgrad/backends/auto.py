@@ -11,8 +11,8 @@ rounds of its time over native's in the same round, is remembered for the rest o
 candidate that disagreed with native on the probe is never chosen, and one that beats native by
 less than ``PREFER_NATIVE`` (3%, about the noise of one tuning) is not either. When both gradients
 are wanted, one more choice is tuned ("both"): the two per-gradient winners one after the other
-("split"), or the single call of a backend that computes both and shares work (native's
-aten.convolution_backward, gemm's columns).
+("split", when they differ), or one backend's own backward for both, which may share work
+(native's aten.convolution_backward, gemm's columns).
 Tuning runs under ``torch.no_grad()``; when no graph is being built, the winner's probe result is
 returned, so the first call costs only the extra timings.
 
@@ -321,11 +321,6 @@ def _candidates(like: torch.Tensor) -> list[Backend]:
     return [b for b in map(get_backend, names) if not like.is_complex() or b.supports_complex]
 
 
-def _fused(b: Backend) -> bool:
-    """Whether a backend computes both gradients in one call (shares work) rather than one after the other."""
-    return type(b).backward is not Backend.backward
-
-
 @register
 class AutoBackend(Backend):
     """Delegates each gradient to the candidate chosen for it (see the module docstring)."""
@@ -347,10 +342,13 @@ class AutoBackend(Backend):
                 self.input_grad(spec, weight, grad_output)
                 self.weight_grad(spec, input, grad_output)
             bi, bw = (self.choose(spec, g, grad_output) for g in ("grad_input", "grad_weight"))
+            # every backend's own backward (both gradients, what a user who picks one backend gets), and the
+            # per-gradient winners one after the other when they differ
             options = {b.name: (lambda b=b: b.backward(spec, grad_output, input, weight, True, True))
-                       for b in _candidates(grad_output) if _fused(b)}
-            options["split"] = lambda: (bi.input_grad(spec, weight, grad_output),
-                                        bw.weight_grad(spec, input, grad_output))
+                       for b in _candidates(grad_output)}
+            if bi.name != bw.name:
+                options["split"] = lambda: (bi.input_grad(spec, weight, grad_output),
+                                            bw.weight_grad(spec, input, grad_output))
             known, out = _tune(options, grad_output.device)
             _choices[key] = known
             _save()
