@@ -292,10 +292,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_gloo_two_processes_equals_native_ddp(tmp_path: Path) -> None:
+def _run_ddp(out: str) -> None:
     import torch.multiprocessing as mp
 
-    out = str(tmp_path / "grads.pt")
     ctx = mp.start_processes(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + DDP_TIMEOUT_S
     try:
@@ -306,5 +305,17 @@ def test_ddp_gloo_two_processes_equals_native_ddp(tmp_path: Path) -> None:
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
+
+
+def test_ddp_gloo_two_processes_equals_native_ddp(tmp_path: Path) -> None:
+    from torch.multiprocessing import ProcessExitedException
+
+    out = str(tmp_path / "grads.pt")
+    try:
+        _run_ddp(out)
+    except ProcessExitedException as e:  # gloo on a shared 2-core VM: a rank killed by a signal (SIGABRT in about
+        if e.signal_name is None:  # 1 full-suite run of 8); a second run with a fresh port, an exception fails
+            raise
+        _run_ddp(out)
     grads = torch.load(out)
     _assert_all_close(grads["convgrad"], grads["native"], F64, "DDP")

@@ -81,6 +81,18 @@ def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str)
     assert plan_weight_grad(spec).method == method
 
 
+@pytest.mark.parametrize(("spec", "dtype", "method"), [
+    (_spec((4, 144, 56, 56), (144, 1, 3, 3), padding=1, groups=144), torch.float64, "taps"),  # depthwise
+    (_spec((8, 256, 28, 28), (256, 8, 3, 3), padding=1, groups=32), torch.float64, "taps"),  # ResNeXt
+    (_spec((8, 64, 56, 56), (64, 64, 3, 3), padding=1), torch.float64, "taps"),
+    (_spec((16, 144, 56, 56), (144, 1, 3, 3), padding=1, groups=144), torch.float32, None),  # oneDNN: the rules
+    (_spec((4, 1, 16000), (512, 1, 10), stride=5), torch.float64, None),  # one input channel
+], ids=str)
+def test_non_onednn_dtypes_fold_the_taps_for_grad_weight(spec: ConvSpec, dtype: torch.dtype,
+                                                          method: str | None) -> None:
+    assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=dtype)) == method
+
+
 def test_depthwise_one_tap_phase_is_a_per_channel_scale() -> None:
     conv = plan_input_grad(_spec((16, 144, 56, 56), (144, 1, 3, 3), stride=2, padding=1, groups=144)).conv
     kinds = sorted(type(p.conv).__name__ for p in conv.phases)
