@@ -62,11 +62,8 @@ class Phase:
     shape: Shape
     start: Shape = ()
 
-    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        return self.apply(data, self.taps(kernel))
-
-    def apply(self, data: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
-        """The phase from its taps, already taken from the kernel (once for every batch chunk)."""
+    def __call__(self, data: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        """This phase's rows from y and its taps (``self.taps`` of the kernel, taken by PhaseConvs)."""
         out = self.conv(pad(data, self.pads), taps)
         if any(self.start):
             out = sliced(out, [slice(b, b + r) for b, r in zip(self.start, self.shape[2:], strict=True)])
@@ -127,7 +124,7 @@ class PhaseConvs:
             if phase is None or k is None:
                 out[rows] = 0
             else:
-                out[rows] = sliced(phase.apply(data, k), [slice(0, n) for n in out[rows].shape[2:]])
+                out[rows] = sliced(phase(data, k), [slice(0, n) for n in out[rows].shape[2:]])
 
     def _pairs_as_complex(self, out: torch.Tensor, data: torch.Tensor, kernel: torch.Tensor) -> bool:
         """Whether the two phases of a stride-2 last dim can be written as the real and imaginary parts of one
@@ -148,7 +145,7 @@ class PhaseConvs:
         for lead in itertools.product(*(range(s) for s in self.stride[:-1])):
             target = pairs[(..., *_phase_rows(self.stride[:-1], lead), slice(None))]
             rows = [slice(0, n) for n in target.shape[2:]]
-            even, odd = (sliced(p.apply(data, k), rows) for p, k in (next(phases), next(phases)))  # type: ignore[union-attr, arg-type]
+            even, odd = (sliced(p(data, k), rows) for p, k in (next(phases), next(phases)))  # type: ignore[union-attr, arg-type]
             torch.complex(even, odd, out=target)
 
     def describe(self) -> str:
