@@ -169,6 +169,17 @@ def batch_bucket(batch: int) -> int:
     Batches that share a bucket share one tuning. DP-SGD with Poisson sampling (Opacus, our
     examples/dp_sgd_digits.py) draws a new batch size at every step; keyed by the exact size, every
     step would tune again. Within a factor of two the ranking of the candidates hardly moves.
+
+    Args:
+        batch: N, the batch size of the configuration (int, >= 0).
+
+    Returns:
+        The smallest power of two >= ``batch``; 0 for an empty batch.
+
+    Example:
+        >>> from convgrad.backends import auto
+        >>> [auto.batch_bucket(n) for n in (0, 1, 3, 4, 300)]
+        [0, 1, 4, 4, 512]
     """
     return 1 << (batch - 1).bit_length() if batch > 0 else 0
 
