@@ -60,6 +60,21 @@ class Case:
         return self.name or self.spec().describe()
 
 
+def backend_accepts(backend: str, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a backend computes this dtype on this device (numpy refuses half precision and CUDA, by design):
+    a refusal must name the backend; any other error propagates."""
+    import convgrad as cg
+
+    t = torch.ones(1, 1, 2, dtype=dtype, device=device)
+    try:
+        cg.conv_backward(t, t, torch.ones(1, 1, 1, dtype=dtype, device=device), backend=backend)
+    except (TypeError, ValueError) as err:
+        if f"backend={backend!r}" not in str(err):
+            raise
+        return False
+    return True
+
+
 def reference_forward(case: Case, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """torch's own conv for the case, with explicit padding where torch cannot express it."""
     spec = case.spec()

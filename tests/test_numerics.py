@@ -12,7 +12,7 @@ import convgrad as cg
 from convgrad.backends import get_backend
 from convgrad.backends.fwdconv import execute, plan_input_grad
 from convgrad.spec import ConvSpec
-from helpers import TOL, Case, assert_matches_autograd, grid_cases, make_tensors, reference_grads
+from helpers import TOL, Case, assert_matches_autograd, backend_accepts, grid_cases, make_tensors, reference_grads
 
 BACKENDS = cg.backends()
 COMPLEX_BACKENDS = [b for b in BACKENDS if get_backend(b).supports_complex]
@@ -28,16 +28,6 @@ def _backward(case: Case, t: dict[str, torch.Tensor], backend: str) -> dict[str,
     return {"grad_input": gi, "grad_weight": gw, "grad_bias": gb}
 
 
-def _accepts(backend: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a backend computes this dtype on this device (numpy refuses half precision and CUDA, by design)."""
-    t = torch.ones(1, 1, 2, dtype=dtype, device=device)
-    try:
-        cg.conv_backward(t, t, torch.ones(1, 1, 1, dtype=dtype, device=device), backend=backend)
-    except (TypeError, ValueError) as err:
-        if f"backend={backend!r}" not in str(err):
-            raise
-        return False
-    return True
 
 
 # ---- non-finite values -------------------------------------------------------------------------------------------
@@ -73,7 +63,7 @@ def test_non_finite_values_propagate(source: str, value: float, gradient: str, d
             continue
         poisoned = dict(t, **{source: t[source].clone()})
         poisoned[source].view(-1)[pos] = value
-        for backend in (b for b in BACKENDS if _accepts(b, dtype, device)):
+        for backend in (b for b in BACKENDS if backend_accepts(b, dtype, device)):
             ours = _backward(case, poisoned, backend)[gradient]
             assert not torch.isfinite(ours[must]).any(), f"{backend} {case}: {value} in {source} left {gradient}"
         checked += 1
@@ -112,7 +102,7 @@ def test_half_precision_bias_grad_accumulates_in_float32(dtype: torch.dtype, siz
     w = torch.ones(2, 1, 1, 1, dtype=dtype, device=device, requires_grad=True)
     b = torch.zeros(2, dtype=dtype, device=device, requires_grad=True)
     for backend in BACKENDS:
-        if not _accepts(backend, dtype, device):
+        if not backend_accepts(backend, dtype, device):
             continue
         assert cg.conv_backward(gy, x.detach(), w.detach(), [2], backend=backend)[2].tolist() == [count, count]
         (gb,) = torch.autograd.grad(cg.conv2d(x, w, b, backend=backend).sum(), [b])
@@ -132,7 +122,7 @@ def test_half_precision_weight_and_input_grads_accumulate_like_native(dtype: tor
     native_gi = cg.conv_input_grad((1, 1, 1, 1), w_many, gy_many, backend="native")
     assert native_gw.item() == native_gi.item() == count  # native accumulates in float32 on this device
     for backend in BACKENDS:
-        if _accepts(backend, dtype, device):
+        if backend_accepts(backend, dtype, device):
             assert cg.conv_weight_grad(x, (1, 1, 1, 1), gy, backend=backend).item() == count, backend
             assert cg.conv_input_grad((1, 1, 1, 1), w_many, gy_many, backend=backend).item() == count, backend
 
@@ -141,7 +131,7 @@ def test_half_precision_weight_and_input_grads_accumulate_like_native(dtype: tor
 @pytest.mark.parametrize(("dtype", "size"), HALF, ids=["bfloat16", "float16"])
 def test_half_precision_matches_float64_within_tolerance(backend: str, dtype: torch.dtype, size: tuple[int, int],
                                                          device: torch.device) -> None:
-    if not _accepts(backend, dtype, device):
+    if not backend_accepts(backend, dtype, device):
         pytest.skip(f"{backend} refuses {dtype} by design")
     case = Case((2, 4, 9, 9), (6, 2, 3, 3), stride=2, padding=1, groups=2)
     t = make_tensors(case, torch.float64, device)
