@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import convgrad as cg
-from convgrad.backends import fwdconv, fwdconv_weight
+from convgrad.backends import fwdconv, fwdconv_phases, fwdconv_weight
 from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS, execute, plan_input_grad, plan_weight_grad
 from convgrad.spec import ConvSpec
 from helpers import TOL, Case, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
@@ -119,6 +119,65 @@ def test_paired_phases_written_as_complex_match_autograd_and_the_plain_writes(ca
     monkeypatch.setattr(type(plan.conv), "_pairs_as_complex", lambda *a: False)
     plain = execute(plan, t["grad_output"], t["weight"])
     assert paired.dtype == plain.dtype == dtype and torch.allclose(paired, plain, **TOL[dtype])
+
+
+CHUNKED_CASES = [  # memory-bound phases (<= CHUNK_MAX_CHANNELS channels of y per group), 5 samples: chunks 2, 2, 1
+    Case((5, 6, 8, 8), (6, 1, 3, 3), stride=2, padding=1, groups=6, name="depthwise-3x3-s2"),
+    Case((5, 4, 9), (4, 1, 3), stride=2, padding=1, groups=4, name="1d-depthwise-odd"),
+    Case((5, 4, 5, 7, 6), (4, 2, 3, 2, 3), stride=(2, 3, 2), padding=(1, 0, 1), groups=2, name="3d-grouped-uneven"),
+    Case((5, 4, 7, 7), (4, 1, 3, 3), stride=2, dilation=2, padding=2, groups=4, name="depthwise-s2-d2"),
+]
+
+
+@pytest.mark.parametrize(("spec", "chunked"), [
+    (_spec((16, 144, 56, 56), (144, 1, 3, 3), stride=2, padding=1, groups=144), True),  # depthwise
+    (_spec((16, 256, 56, 56), (256, 8, 3, 3), stride=2, padding=1, groups=32), True),  # 8 channels per group
+    (_spec((16, 32, 56, 56), (32, 16, 3, 3), stride=2, padding=1, groups=2), False),  # 16 per group: conv-bound
+    (_spec((8, 128, 56, 56), (128, 128, 3, 3), stride=2, padding=1), False),  # ResNet-50's 3x3/2
+])
+def test_only_memory_bound_phases_run_in_batch_chunks(spec: ConvSpec, chunked: bool) -> None:
+    conv = plan_input_grad(spec, "polyphase").conv
+    assert conv.chunked is chunked
+    assert ("a few samples at a time" in conv.describe()) is chunked
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", CHUNKED_CASES, ids=str)
+def test_batch_chunks_match_autograd_and_the_whole_batch(case: Case, dtype: torch.dtype,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = plan_input_grad(case.spec(), "polyphase")
+    assert plan.conv.chunked
+    t = make_tensors(case, dtype)
+    out, gy = torch.empty(plan.shape, dtype=dtype), t["grad_output"]
+    per_sample = (2 * out[0].numel() + gy[0].numel()) * out.element_size()
+    monkeypatch.setattr(fwdconv_phases, "CHUNK_BYTES", 2 * per_sample + 1)
+    assert plan.conv.batch_chunk(out, gy) == 2
+    chunks: list[int] = []
+    for name in ("_write_pairs", "_write_phases"):
+        method = getattr(type(plan.conv), name)
+        monkeypatch.setattr(type(plan.conv), name,
+                            lambda self, o, *a, m=method: (chunks.append(o.shape[0]), m(self, o, *a))[1])
+    chunked = execute(plan, gy, t["weight"])
+    assert chunks == [2, 2, 1]
+    assert_matches_autograd({"grad_input": chunked}, reference_grads(case, t), dtype, f"chunked {case}")
+    monkeypatch.setattr(fwdconv_phases, "CHUNK_BYTES", 2**40)
+    whole = execute(plan, gy, t["weight"])
+    assert chunks[3:] == [5] and torch.equal(chunked, whole)
+
+
+def test_batch_chunks_keep_double_backward_and_batch_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fwdconv_phases, "CHUNK_BYTES", 1)  # one sample per chunk
+    case = CHUNKED_CASES[0]
+    gy = make_tensors(case)["grad_output"][:2].requires_grad_()
+    w = make_tensors(case)["weight"].requires_grad_()
+
+    def input_grad(gy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        shape = (gy.shape[0], *case.input_shape[1:])
+        return cg.conv_input_grad(shape, w, gy, stride=2, padding=1, groups=6, backend="fwdconv")
+
+    assert torch.autograd.gradcheck(input_grad, (gy, w)) and torch.autograd.gradgradcheck(input_grad, (gy, w))
+    empty = input_grad(gy[:0].detach(), w.detach())
+    assert empty.shape == (0, *case.input_shape[1:])
 
 
 def test_paired_phases_fall_back_while_a_graph_is_being_built() -> None:

@@ -268,7 +268,7 @@ def _polyphase_plan(spec: ConvSpec, gradient: str, data: str, reason: str = "") 
                         (cx, cy // g, *(t.count for t in live)))
         conv, pads, start = _phase_conv(live, g, rows)
         phases.append(Phase(rho, pads if any(lo or hi for lo, hi in pads) else (), take, conv, rows, start))
-    conv_all = PhaseConvs(spec.stride, tuple(phases), spec.x_shape)
+    conv_all = PhaseConvs(spec.stride, tuple(phases), spec.x_shape, cy // g <= CHUNK_MAX_CHANNELS)
     return Plan(gradient, spec, data, "weight", (), _grad_x_kernel_steps(spec), conv_all, (), spec.x_shape,
                 "polyphase", reason)
 
@@ -304,6 +304,11 @@ def _subpixel_plan(spec: ConvSpec, gradient: str, data: str, reason: str = "") -
 # 0.64-1.4; 1x1/2: 0.25-0.58 vs 0.9-1.8), whose fused kernel multiplies many zero taps, and for depthwise ones
 # (0.43-1.56 vs 0.61-2.45), whose fused kernel has a channel multiplier that oneDNN runs slowly.
 SUBPIXEL_MAX_CHANNELS = 16
+# Phases reading at most this many channels of y per group are memory-bound, and are computed a few samples at a
+# time on the CPU (fwdconv_phases.CHUNK_BYTES). Measured grad_input, whole batch -> chunks: depthwise 3x3/2 9.5-11.8
+# -> 5.7-6.3 ms, depthwise 1d k3/2 26.9 -> 19.0 ms, 8 channels per group 21.5 -> 20.2 ms; but 16 per group
+# 10.8 -> 13.0 ms and ResNet-50's 3x3/2 14.8 -> 17.9 ms, where the conv, not the memory, is the cost.
+CHUNK_MAX_CHANNELS = 8
 INPUT_METHODS = ("zero_insert", "polyphase", "subpixel")
 WEIGHT_METHODS = ("kernel", "per_sample", "taps", "blocks")
 
