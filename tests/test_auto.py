@@ -102,6 +102,10 @@ def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monk
     ({"native": 1.00, "fwdconv": 0.98, "gemm": 1.20}, "native"),  # 2% faster: within the noise of one tuning
     ({"native": 1.00, "fwdconv": 0.96, "gemm": 0.99}, "fwdconv"),  # 4% faster: a real win
     ({"native": 1.00, "fwdconv": 1.01, "gemm": 0.90}, "gemm"),
+    ({"native": 1.00, "fwdconv": 0.99, "gemm": 1.20, "split": 0.98}, "native"),  # split too: within the noise
+    ({"native": 1.00, "fwdconv": 0.90, "gemm": 1.20, "split": 0.88}, "fwdconv"),  # split must beat fwdconv by 3%
+    ({"native": 1.00, "fwdconv": 0.90, "gemm": 1.20, "split": 0.85}, "split"),
+    ({"native": 1.00, "fwdconv": 1.10, "gemm": 1.20, "split": 0.90}, "split"),
 ])
 def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, float], winner: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
