@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from convgrad import cli
-from convgrad.bench import layers, report
+from convgrad.bench import layers, report, timing
 
 REQUIRED = {  # issue 4: layer name -> network
     "resnet50.stem7x7s2": "ResNet-50", "resnet50.3x3@56": "ResNet-50", "resnet50.3x3@28": "ResNet-50",
@@ -81,3 +81,14 @@ def test_bench_errors_are_one_line(argv: list[str], message: str, capsys: Any, t
 
 def test_geomean() -> None:
     assert report.geomean([1.0, 4.0]) == pytest.approx(2.0) and math.isnan(report.geomean([]))
+
+
+def test_rounds_time_each_task_back_to_back_and_rotate() -> None:
+    """Every (backend, task) once per round; a task's backends adjacent (the ratios compare them); orders rotate."""
+    backends = ["native", "fwdconv", "gemm", "auto"]
+    orders = [timing._round_order(backends, r) for r in range(12)]
+    for order in orders:
+        assert sorted(order) == sorted([(b, t) for b in backends for t in timing.TASKS] + [("matmul", "")])
+        tasks = [t for _, t in order[:-1]]
+        assert all(len(set(tasks[i:i + len(backends)])) == 1 for i in range(0, len(tasks), len(backends)))
+    assert {o[0] for o in orders} == {(b, t) for b in backends for t in timing.TASKS}  # everyone goes first

@@ -1,8 +1,10 @@
 """Timing for `convgrad bench`: every backend, interleaved with native and a matmul of equal FLOPs.
 
 For each layer and dtype, every (backend, task) pair and the reference matmul are timed with
-``torch.utils.benchmark.Timer`` once per round, in rounds that rotate their order, so that load
-on a shared machine hits all of them alike. Each sample is the mean of enough calls to last
+``torch.utils.benchmark.Timer`` once per round. Within a round the backends of one task are timed
+one right after another, since every ratio compares two of them on the same task; the order of
+the tasks and of the backends rotates from round to round, so that load on a shared machine hits
+all of them alike. Each sample is the mean of enough calls to last
 ``min_time`` seconds; the report uses the median and the interquartile range of the samples.
 Tasks: ``grad_input``, ``grad_weight`` and ``both`` (one ``Backend.backward`` call). The
 matmul is ``torch.matmul`` of two m x m matrices with 2*m^3 ~= the FLOPs of one gradient: the
@@ -109,6 +111,12 @@ def _number(timer: benchmark.Timer, min_time: float) -> int:
     return max(1, math.ceil(min_time / max(once, 1e-9)))
 
 
+def _round_order(backends: list[str], r: int) -> list[tuple[str, str]]:
+    """Round r's order: task by task (rotated), each task's backends (rotated) back to back, then the matmul."""
+    b, t = r % len(backends), r % len(TASKS)
+    return [(name, task) for task in TASKS[t:] + TASKS[:t] for name in backends[b:] + backends[:b]] + [("matmul", "")]
+
+
 def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.device, threads: int, repeats: int,
                min_time: float, channels_last: bool = False) -> Iterator[LayerTiming]:
     """Time one layer in rounds; yields the (growing) result after every round, for progress bars."""
@@ -129,9 +137,8 @@ def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.devi
             for gradient in ("grad_input", "grad_weight", "both"):
                 choice = auto.chosen(t["spec"], gradient, t["grad_output"])
                 result.auto_choice[gradient] = choice.backend if choice else auto.FIXED_CHOICE
-        keys = list(timers)
         for r in range(repeats):
-            for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            for key in _round_order(names, r):
                 seconds = timers[key].timeit(numbers[key]).mean
                 (result.matmul if key[0] == "matmul" else result.samples[key]).seconds.append(seconds)
             yield result
