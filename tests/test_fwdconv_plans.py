@@ -96,7 +96,8 @@ def test_non_onednn_dtypes_fold_the_taps_for_grad_weight(spec: ConvSpec, dtype: 
 def test_depthwise_one_tap_phase_is_a_per_channel_scale() -> None:
     conv = plan_input_grad(_spec((16, 144, 56, 56), (144, 1, 3, 3), stride=2, padding=1, groups=144)).conv
     kinds = sorted(type(p.conv).__name__ for p in conv.phases)
-    assert kinds == ["Conv", "Conv", "Conv", "MatMul"]  # phase (0, 0) gets one tap of each channel's kernel
+    # phase (0, 0) gets one tap of each channel's kernel; the others 2, 2 and 4 taps, summed tap by tap
+    assert kinds == ["DepthwiseTaps", "DepthwiseTaps", "DepthwiseTaps", "MatMul"]
 
 
 PAIRED_CASES = [  # stride 2 in the last dim and an even big side: both phases of a row written as one complex

@@ -31,7 +31,7 @@ Pair = tuple[int, int]
 PaddingArg = int | str | Sequence[Any]
 IntOrTuple = int | Sequence[int]
 
-__all__ = ["ConvSpec", "PhaseTaps", "check_bias_sizes", "check_output_mask", "same_padding"]
+__all__ = ["ConvSpec", "PhaseTaps", "check_bias_sizes", "check_output_mask", "same_padding", "tap_rows"]
 
 
 class PhaseTaps(NamedTuple):
@@ -77,6 +77,17 @@ def phase_taps(i: int, k: int, s: int, d: int, p_lo: int, o: int) -> tuple[Phase
         out.append(None if -lo >= o or o + hi <= 0 else PhaseTaps(k - 1 - t0 - step * (count - 1), step, count,
                                                                    (lo, hi), dil))
     return tuple(out)
+
+
+def tap_rows(size: int, rows: int, offset: int, reach: int) -> tuple[int, int, int]:
+    """A stride-1 conv evaluated tap by tap, along one dim: output row r reads data row r + offset + reach
+    (reach = tap * dilation), which exists for 0 <= r + offset + reach < size.
+
+    Returns ``(first, stop, data_first)``: the output rows first..stop-1 that read a data row, the first of
+    which is data_first. ``first >= stop`` when the tap reads no data row at all.
+    """
+    first, stop = max(0, -(offset + reach)), min(rows, size - offset - reach)
+    return first, stop, first + offset + reach
 
 
 def _is_int(v: object) -> bool:

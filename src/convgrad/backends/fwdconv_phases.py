@@ -27,8 +27,8 @@ __all__ = ["CHUNK_BYTES", "DepthToSpace", "Phase", "PhaseConvs", "SubpixelKernel
 
 # Memory-bound phases (PhaseConvs.chunked) run a few samples at a time on the CPU, so that a chunk's phase results
 # are still in cache when they are interleaved into the big side: their writes, not the convs, are the cost there.
-# 8 MiB sits within the last-level cache of current server and desktop CPUs (measurements: fwdconv.CHUNK_MAX_CHANNELS).
-CHUNK_BYTES = 8 * 2**20
+# 16 MiB sits within the last-level cache of current server CPUs (measurements: fwdconv.CHUNK_MAX_CHANNELS).
+CHUNK_BYTES = 16 * 2**20
 
 
 # ---- polyphase grad of x ------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ come from autograd; layouts follow the data, so channels_last stays channels_las
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,8 +26,8 @@ from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
 
-__all__ = ["BatchIntoGroups", "Contraction", "FoldTaps", "MatMul", "SamplesIntoChannels", "SpaceToDepth",
-           "Subsample", "SumSamples", "TapsToKernel"]
+__all__ = ["BatchIntoGroups", "Contraction", "DepthwiseTaps", "FoldTaps", "MatMul", "SamplesIntoChannels",
+           "SpaceToDepth", "Subsample", "SumSamples", "TapsToKernel"]
 
 
 class Contraction(Protocol):
@@ -113,6 +114,76 @@ class MatMul:
                     f"{data}.shape[1] // {g}, -1)).reshape({_dims(self.shape)})  # 1x1 conv as a matmul"]
         return [f"{out} = torch.matmul({data}.reshape({b}, {g}, -1).transpose(0, 1), {kernel}.reshape({g}, {o // g}, "
                 f"-1).transpose(1, 2)).transpose(0, 1).reshape({_dims(self.shape)})  # full-size kernel: a matmul"]
+
+
+@dataclass(frozen=True)
+class DepthwiseTaps:
+    """A depthwise conv (one channel of y per output channel) with stride 1, summed tap by tap: each tap scales its
+    shifted slice of y by that channel's weight, and adds it into the rows the tap reaches.
+
+    For the few taps of a polyphase phase this beats a conv call: a conv reorders y into oneDNN's blocked layout
+    and its result back, and the phase work is memory-bound (measurements: fwdconv.TAPS_MAX_PHASE_TAPS).
+    ``rows`` holds, per tap (row-major over ``counts``) and per dim, the output rows first..stop and the data row
+    that the first of them reads (``spec.tap_rows``); taps that read nothing are left out.
+    """
+
+    counts: Shape
+    rows: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (tap index, per dim (first, stop, data_first))
+    size: Shape  # the spatial size of y
+    shape: Shape
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        c, nd = kernel.shape[0], len(self.counts)
+        scales = kernel.reshape(c, -1).t().reshape(-1, 1, c, *(1,) * nd)  # (T, 1, C, 1, ..): each tap's weights
+        out = None
+        for tap, rows, src in self._indices:
+            part = data if src is None else data[src]
+            if out is None and rows is None:
+                out = part * scales[tap]  # (B, C, *rows), in data's memory format
+                continue
+            if out is None:  # no tap reaches every row: start from zeros
+                out = data.new_zeros((data.shape[0], *self.shape[1:])).contiguous(memory_format=_memory_format(data))
+            (out if rows is None else out[rows]).addcmul_(part, scales[tap])
+        return out if out is not None else data.new_zeros((data.shape[0], *self.shape[1:]))
+
+    @functools.cached_property
+    def _indices(self) -> list[tuple[int, tuple[slice, ...] | None, tuple[slice, ...] | None]]:
+        """Per tap, a tap that fills every row first: (tap, rows of the result, rows of y), None where all rows.
+
+        Indexing with whole-dim slices only would return an alias, which the legacy vmap of is_grads_batched
+        cannot batch (``_ops.sliced``); None skips it."""
+        def index(ranges: list[tuple[int, int]], sizes: Shape) -> tuple[slice, ...] | None:
+            if all(a == 0 and b == n for (a, b), n in zip(ranges, sizes, strict=True)):
+                return None
+            return (slice(None), slice(None), *(slice(a, b) for a, b in ranges))
+
+        entries = []
+        for tap, dims in self.rows:
+            rows = index([(first, stop) for first, stop, _ in dims], self.shape[2:])
+            src = [(d, d + stop - first) for first, stop, d in dims]
+            entries.append((tap, rows, src))
+        entries.sort(key=lambda e: e[1] is not None)
+        return [(tap, rows, index(src, self.size)) for tap, rows, src in entries]
+
+    def describe(self) -> str:
+        return f"depthwise conv of {math.prod(self.counts)} taps {self.counts}, summed tap by tap"
+
+    def code(self, out: str, data: str, kernel: str) -> list[str]:
+        c, nd = self.shape[1], len(self.counts)
+        lines = [f"{out} = {data}.new_zeros(({data}.shape[0], {_dims(self.shape[1:])}))  # depthwise, tap by tap",
+                 f"{out}_w = {kernel}.reshape({c}, -1)"]
+        for tap, dims in self.rows:
+            rows = ", ".join(f"{first}:{stop}" for first, stop, _ in dims)
+            src = ", ".join(f"{d}:{d + stop - first}" for first, stop, d in dims)
+            lines.append(f"{out}[..., {rows}] += {data}[..., {src}] * {out}_w[:, {tap}].reshape(1, {c}"
+                         f"{', 1' * nd})  # tap {tap}")
+        return lines
+
+
+def _memory_format(t: torch.Tensor) -> torch.memory_format:
+    if not _channels_last(t):
+        return torch.contiguous_format
+    return torch.channels_last if t.dim() == 4 else torch.channels_last_3d if t.dim() == 5 else torch.contiguous_format
 
 
 @dataclass(frozen=True)
