@@ -327,8 +327,8 @@ SUBPIXEL_MAX_CHANNELS = 16
 # 10.8 -> 13.0 ms and ResNet-50's 3x3/2 14.8 -> 17.9 ms, where the conv, not the memory, is the cost.
 CHUNK_MAX_CHANNELS = 8
 # Depthwise phases with at most this many taps are summed tap by tap (fwdconv_steps.DepthwiseTaps), not by a conv call.
-# Measured, grad_input with 16-sample batches in chunks: MobileNetV2's depthwise 3x3/2 (phases of 1, 2, 2, 4 taps)
-# 5.6 -> 5.0 ms (native 3.4-3.6 ms); depthwise 5x5/2, whose 9- and 6-tap phases stay convs, 6.8 -> 4.6 ms.
+# Measured, grad_input of 16 samples, paired rounds, taps / convs: MobileNetV2's depthwise 3x3/2 (phases of 1, 2, 2
+# and 4 taps) 4.2 / 5.8 ms (native 3.8 ms); depthwise 1d k3/2 (512 channels, 4000 long) 9.8 / 12.7 ms (native 16.7).
 TAPS_MAX_PHASE_TAPS = 4
 INPUT_METHODS = ("zero_insert", "polyphase", "subpixel")
 WEIGHT_METHODS = ("kernel", "per_sample", "taps", "blocks")
