@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from convgrad._ops import sliced
+from convgrad._ops import plain, sliced
 from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
@@ -135,6 +135,7 @@ class DepthwiseTaps:
     def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         c, nd = kernel.shape[0], len(self.counts)
         scales = kernel.reshape(c, -1).t().reshape(-1, 1, c, *(1,) * nd)  # (T, 1, C, 1, ..): each tap's weights
+        fused = plain(data) and plain(kernel)
         out = None
         for tap, rows, src in self._indices:
             part = data if src is None else data[src]
@@ -143,7 +144,11 @@ class DepthwiseTaps:
                 continue
             if out is None:  # no tap reaches every row: start from zeros
                 out = data.new_zeros((data.shape[0], *self.shape[1:])).contiguous(memory_format=_memory_format(data))
-            (out if rows is None else out[rows]).addcmul_(part, scales[tap])
+            target = out if rows is None else out[rows]
+            if fused:
+                target.addcmul_(part, scales[tap])
+            else:  # functorch has no batching rule for addcmul_ (a slow per-sample fallback); it has one for add_
+                target.add_(part * scales[tap])
         return out if out is not None else data.new_zeros((data.shape[0], *self.shape[1:]))
 
     @functools.cached_property
