@@ -117,6 +117,15 @@ def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, 
     assert auto.PREFER_NATIVE == 1.03
 
 
+def test_each_timed_call_follows_a_warm_up_call_of_the_same_option() -> None:
+    calls: list[str] = []
+    options = {n: (lambda n=n: calls.append(n)) for n in ("native", "fwdconv", "gemm")}
+    samples = auto._rounds(options, torch.device("cpu"))  # type: ignore[arg-type]
+    rounds = len(samples["native"])
+    assert auto._MIN_ROUNDS <= rounds and all(len(s) == rounds for s in samples.values())
+    assert len(calls) == 2 * 3 * rounds and all(a == b for a, b in zip(calls[::2], calls[1::2]))
+
+
 def test_batches_up_to_the_next_power_of_two_share_one_tuning(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
     assert [auto.batch_bucket(n) for n in (0, 1, 2, 3, 4, 5, 300, 512, 513)] == [0, 1, 2, 4, 4, 8, 512, 512, 1024]
     calls: list[int] = []
