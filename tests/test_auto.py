@@ -106,6 +106,8 @@ def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monk
     ({"native": 1.00, "fwdconv": 0.90, "gemm": 1.20, "split": 0.88}, "fwdconv"),  # split must beat fwdconv by 3%
     ({"native": 1.00, "fwdconv": 0.90, "gemm": 1.20, "split": 0.85}, "split"),
     ({"native": 1.00, "fwdconv": 1.10, "gemm": 1.20, "split": 0.90}, "split"),
+    ({"native": 1.00, "fwdconv": 0.99, "gemm": 1.20, "split": 0.965}, "native"),  # split: 2.5% under fwdconv
+    ({"native": 1.00, "fwdconv": 0.975, "gemm": 1.20, "split": 0.96}, "native"),
 ])
 def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, float], winner: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
