@@ -30,7 +30,9 @@ GRID = grid_cases()
 SCRIPT_CASES = [c for c in GRID if c.name.split("-", 1)[1] in {
     "stride2-leftover", "asym-padding", "dilation3-stride2-pad", "groups2-cin4", "same-stride2", "batch0",
     "unbatched", "stride3-op2-groups2", "dilation3-op2-ge-stride", "T-asym-padding", "mixed-per-dim",
-    "T-depthwise", "depthwise-multiplier"}]
+    "T-depthwise", "depthwise-multiplier"}] + [
+    Case((0, 4, 8, 8), (4, 1, 3, 3), stride=2, padding=1, groups=4, name="batch0-depthwise-s2"),  # phases as matmuls
+    Case((0, 4, 8, 8), (4, 4, 3, 3), stride=2, padding=1, name="batch0-s2")]
 
 
 def _recipe(case: Case) -> convgrad.Recipe:

@@ -110,10 +110,10 @@ class MatMul:
     def code(self, out: str, data: str, kernel: str) -> list[str]:
         g, (b, o) = self.groups, self.shape[:2]
         if self.pointwise:
-            return [f"{out} = torch.matmul({kernel}.reshape({g}, {o // g}, -1), {data}.reshape({b}, {g}, "
-                    f"{data}.shape[1] // {g}, -1)).reshape({_dims(self.shape)})  # 1x1 conv as a matmul"]
-        return [f"{out} = torch.matmul({data}.reshape({b}, {g}, -1).transpose(0, 1), {kernel}.reshape({g}, {o // g}, "
-                f"-1).transpose(1, 2)).transpose(0, 1).reshape({_dims(self.shape)})  # full-size kernel: a matmul"]
+            return [f"{out} = torch.matmul({kernel}.reshape({g}, {o // g}, -1), {data}.unflatten(1, ({g}, -1))"
+                    f".flatten(3)).reshape({_dims(self.shape)})  # 1x1 conv as a matmul"]
+        return [f"{out} = torch.matmul({data}.unflatten(1, ({g}, -1)).flatten(2).transpose(0, 1), {kernel}.reshape("
+                f"{g}, {o // g}, -1).transpose(1, 2)).transpose(0, 1).reshape({_dims(self.shape)})  # full-size kernel"]
 
 
 @dataclass(frozen=True)
