@@ -51,6 +51,16 @@ def plain(t: torch.Tensor) -> bool:
     return all(c is not None and not c(t) for c in checks) and forward_ad.unpack_dual(t).tangent is None
 
 
+def add_product_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool) -> None:
+    """target += a * b in place (broadcasting): one ``addcmul_`` when ``fused`` (plain tensors, see :func:`plain`),
+    else ``add_`` of the product, because functorch has no batching rule for ``addcmul_`` and would fall back to a
+    slow per-sample loop with a warning."""
+    if fused:
+        target.addcmul_(a, b)
+    else:
+        target.add_(a * b)
+
+
 def placeholder(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     """A zero-stride tensor of the given shape: stands in for a tensor whose gradient is not wanted."""
     return like.new_zeros(()).expand(*shape)

@@ -83,8 +83,22 @@ def tap_rows(size: int, rows: int, offset: int, reach: int) -> tuple[int, int, i
     """A stride-1 conv evaluated tap by tap, along one dim: output row r reads data row r + offset + reach
     (reach = tap * dilation), which exists for 0 <= r + offset + reach < size.
 
-    Returns ``(first, stop, data_first)``: the output rows first..stop-1 that read a data row, the first of
-    which is data_first. ``first >= stop`` when the tap reads no data row at all.
+    Args:
+        size: rows of the data (int). rows: rows of the output (int).
+        offset: data row read by output row 0 at tap 0 (int; negative: that row is padding).
+        reach: tap * dilation (int, >= 0).
+
+    Returns:
+        ``(first, stop, data_first)``: the output rows first..stop-1 read a data row, the first of them
+        row data_first. ``first >= stop`` when the tap reads no data row at all.
+
+    Source: the polyphase form in docs/derivation.md (fwdconv's ``DepthwiseTaps`` sums the taps this way).
+
+    Example:
+        >>> tap_rows(size=4, rows=4, offset=-1, reach=0)   # padding 1 before: row 0 reads nothing
+        (1, 4, 0)
+        >>> tap_rows(size=4, rows=4, offset=-1, reach=2)   # tap 1 at dilation 2: the last row reads nothing
+        (0, 3, 1)
     """
     first, stop = max(0, -(offset + reach)), min(rows, size - offset - reach)
     return first, stop, first + offset + reach

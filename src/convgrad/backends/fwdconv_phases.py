@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from convgrad._ops import pad, plain, sliced
-from convgrad.backends.fwdconv_steps import Contraction, _channels_last, _contraction_code, _dims, _flat, _slices
+from convgrad.backends.fwdconv_steps import Contraction, _contraction_code, _dims, _flat, _new_like, _slices
 from convgrad.spec import Pair, PhaseTaps
 
 Shape = tuple[int, ...]
@@ -95,13 +95,6 @@ def _phase_rows(stride: Shape, rho: Shape) -> tuple[slice, ...]:
 def _counts(stride: Shape, size: Shape, rho: Shape) -> str:
     """`:n` per dim, n = len(range(rho, i, s)): the rows of phase rho that exist in the big side."""
     return ", ".join(f":{len(range(r, i, s))}" for r, s, i in zip(rho, stride, size, strict=True))
-
-
-def _new_like(data: torch.Tensor, shape: Shape) -> torch.Tensor:
-    """An uninitialised tensor of this shape in data's memory format (channels last stays channels last)."""
-    if _channels_last(data):
-        return data.new_empty((shape[0], *shape[2:], shape[1])).movedim(-1, 1)
-    return data.new_empty(shape)
 
 
 @dataclass(frozen=True)

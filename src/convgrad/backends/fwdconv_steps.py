@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from convgrad._ops import plain, sliced
+from convgrad._ops import add_product_, plain, sliced
 from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
@@ -43,6 +43,13 @@ class Contraction(Protocol):
 def _channels_last(t: torch.Tensor) -> bool:
     """True when the channels are the innermost dim in memory (NHWC-like), whatever the rank."""
     return t.dim() >= 3 and t.shape[1] > 1 and t.stride(1) == 1 and not t.is_contiguous()
+
+
+def _new_like(data: torch.Tensor, shape: Shape) -> torch.Tensor:
+    """An uninitialised tensor of this shape in data's memory format (channels last stays channels last)."""
+    if _channels_last(data):
+        return data.new_empty((shape[0], *shape[2:], shape[1])).movedim(-1, 1)
+    return data.new_empty(shape)
 
 
 def _dims(values: object) -> str:
@@ -108,7 +115,7 @@ class MatMul:
         return f"conv with {kind}, groups={self.groups}: one matmul"
 
     def code(self, out: str, data: str, kernel: str) -> list[str]:
-        g, (b, o) = self.groups, self.shape[:2]
+        g, o = self.groups, self.shape[1]
         if self.pointwise:
             return [f"{out} = torch.matmul({kernel}.reshape({g}, {o // g}, -1), {data}.unflatten(1, ({g}, -1))"
                     f".flatten(3)).reshape({_dims(self.shape)})  # 1x1 conv as a matmul"]
@@ -137,19 +144,15 @@ class DepthwiseTaps:
         scales = kernel.reshape(c, -1).t().reshape(-1, 1, c, *(1,) * nd)  # (T, 1, C, 1, ..): each tap's weights
         fused = plain(data) and plain(kernel)
         out = None
+        if not self._indices or self._indices[0][1] is not None:  # no tap reaches every row: start from zeros
+            out = _new_like(data, (data.shape[0], *self.shape[1:])).zero_()  # (B, C, *rows)
         for tap, rows, src in self._indices:
             part = data if src is None else data[src]
-            if out is None and rows is None:
+            if out is None:
                 out = part * scales[tap]  # (B, C, *rows), in data's memory format
-                continue
-            if out is None:  # no tap reaches every row: start from zeros
-                out = data.new_zeros((data.shape[0], *self.shape[1:])).contiguous(memory_format=_memory_format(data))
-            target = out if rows is None else out[rows]
-            if fused:
-                target.addcmul_(part, scales[tap])
-            else:  # functorch has no batching rule for addcmul_ (a slow per-sample fallback); it has one for add_
-                target.add_(part * scales[tap])
-        return out if out is not None else data.new_zeros((data.shape[0], *self.shape[1:]))
+            else:
+                add_product_(out if rows is None else out[rows], part, scales[tap], fused)
+        return out
 
     @functools.cached_property
     def _indices(self) -> list[tuple[int, tuple[slice, ...] | None, tuple[slice, ...] | None]]:
@@ -183,12 +186,6 @@ class DepthwiseTaps:
             lines.append(f"{out}[..., {rows}] += {data}[..., {src}] * {out}_w[:, {tap}].reshape(1, {c}"
                          f"{', 1' * nd})  # tap {tap}")
         return lines
-
-
-def _memory_format(t: torch.Tensor) -> torch.memory_format:
-    if not _channels_last(t):
-        return torch.contiguous_format
-    return torch.channels_last if t.dim() == 4 else torch.channels_last_3d if t.dim() == 5 else torch.contiguous_format
 
 
 @dataclass(frozen=True)

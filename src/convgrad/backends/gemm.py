@@ -47,7 +47,7 @@ import itertools
 
 import torch
 
-from convgrad._ops import pad, plain, sliced
+from convgrad._ops import add_product_, pad, plain, sliced
 from convgrad.backends import Backend, register
 from convgrad.spec import ConvSpec
 
@@ -132,11 +132,10 @@ def _fold_outer(spec: ConvSpec, xr: torch.Tensor, wcols: torch.Tensor, ymat: tor
     dst = sliced(xr, [block], 1)  # (g, Cb, Nc, *x_read_size)
     y = ymat.view(spec.groups, 1, dst.shape[2], *o)  # (g, 1, Nc, *o)
     w = wcols.reshape(spec.groups, dst.shape[1], *k)  # (g, Cb, *k)
-    fused = plain(y) and plain(w)  # functorch has no batching rule for addcmul_ (a slow fallback); it has for add_
+    fused = plain(y) and plain(w)
     for tap in itertools.product(*(range(kj) for kj in k)):
-        window = dst[(..., *spec.tap_window(tap))]  # (g, Cb, Nc, *o)
         scale = w[(slice(None), slice(None), *tap)].view(*w.shape[:2], *(1,) * (1 + spec.n))  # (g, Cb, 1, ..)
-        window.addcmul_(y, scale) if fused else window.add_(y * scale)
+        add_product_(dst[(..., *spec.tap_window(tap))], y, scale, fused)  # (g, Cb, Nc, *o) += (g, 1, Nc, *o) * ..
 
 
 def _x_tensor(spec: ConvSpec, xr: torch.Tensor) -> torch.Tensor:
