@@ -6,6 +6,7 @@ few small configurations.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import convgrad as cg
-from convgrad.backends import _REGISTRY, Backend, auto, get_backend
+from convgrad.backends import _REGISTRY, Backend, auto, auto_tuning, get_backend
 from convgrad.spec import ConvSpec
 from helpers import Case, assert_matches_autograd, make_tensors, reference_grads
 
@@ -111,7 +112,7 @@ def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monk
 ])
 def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, float], winner: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auto, "_rounds", lambda options, device: {n: [times[n], 2 * times[n]] for n in options})
+    monkeypatch.setattr(auto_tuning, "_rounds", lambda options, device: {n: [times[n], 2 * times[n]] for n in options})
     x = torch.ones(3)
     choice, out = auto._tune({n: (lambda: x) for n in times}, x.device)
     assert choice.backend == winner and choice.times == pytest.approx({n: 1.5 * t for n, t in times.items()})
@@ -122,10 +123,70 @@ def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, 
 def test_each_timed_call_follows_a_warm_up_call_of_the_same_option() -> None:
     calls: list[str] = []
     options = {n: (lambda n=n: calls.append(n)) for n in ("native", "fwdconv", "gemm")}
-    samples = auto._rounds(options, torch.device("cpu"))  # type: ignore[arg-type]
+    samples = auto_tuning._rounds(options, torch.device("cpu"))  # type: ignore[arg-type]
     rounds = len(samples["native"])
-    assert auto._MIN_ROUNDS <= rounds and all(len(s) == rounds for s in samples.values())
+    assert auto_tuning._MIN_ROUNDS <= rounds and all(len(s) == rounds for s in samples.values())
     assert len(calls) == 2 * 3 * rounds and all(a == b for a, b in zip(calls[::2], calls[1::2]))
+
+
+@pytest.mark.parametrize(("seconds", "rounds"), [
+    ({"native": 1e-3, "fwdconv": 2e-3, "gemm": 3e-3}, (3, 3, 3)),  # a clear call stops at _MIN_ROUNDS
+    ({"native": 1e-3, "fwdconv": 1.05e-3, "gemm": 3e-3}, (15, 15, 3)),  # close and cheap: _MAX_ROUNDS, gemm dropped
+    ({"native": 0.05, "fwdconv": 0.052, "gemm": 0.2}, (7, 7, 3)),  # over _TIME_BUDGET_S: _CLOSE_ROUNDS
+    ({"native": 0.1, "fwdconv": 0.1, "gemm": 0.2}, (5, 5, 3)),  # stopped by _CLOSE_BUDGET_S (3.2 s after round 5)
+])
+def test_close_calls_get_more_rounds_among_the_options_still_in_them(seconds: dict[str, float],
+                                                                      rounds: tuple[int, int, int],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto_tuning, "_timed", lambda option, device: (None, seconds[option()]))
+    options = {n: (lambda n=n: n) for n in seconds}
+    samples = auto_tuning._rounds(options, torch.device("cpu"))  # type: ignore[arg-type]
+    assert tuple(len(samples[n]) for n in ("native", "fwdconv", "gemm")) == rounds
+    assert auto_tuning._winner(auto_tuning._paired(samples)) == "native"  # fwdconv is not 3% faster in any case
+
+
+def _slower_than_tuned(key: Any, factor: float) -> None:
+    """Pretend that the choice was tuned at 1/factor of its real time."""
+    choice = auto._choices[key]
+    auto._choices[key] = dataclasses.replace(choice, times={n: t / factor for n, t in choice.times.items()})
+
+
+def test_a_choice_that_slows_down_is_tuned_again_at_most_twice(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto, "_DRIFT_MIN_S", 0.0)  # watch this tiny layer too
+    calls: list[int] = []
+    real = auto._tune
+    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
+    case = CASES[0]
+    t = make_tensors(case)
+
+    def grad_input() -> torch.Tensor:
+        return cg.conv_input_grad(t["input"].shape, t["weight"], t["grad_output"], case.stride, case.padding)
+
+    ref = grad_input()
+    key = auto._key(case.spec(), "grad_input", t["grad_output"])
+    for before, after in ((1, 2), (2, 3), (3, 3)):  # the third slowdown is not watched any more: _MAX_RETUNES
+        _slower_than_tuned(key, 1e6)
+        for _ in range(auto._DRIFT_CALLS):
+            torch.testing.assert_close(grad_input(), ref)
+        assert len(calls) == before
+        torch.testing.assert_close(grad_input(), ref)
+        assert len(calls) == after
+
+
+def test_a_choice_that_keeps_its_speed_is_not_tuned_again(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto, "_DRIFT_MIN_S", 0.0)
+    calls: list[int] = []
+    real = auto._tune
+    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
+    case = CASES[2]
+    t = make_tensors(case)
+    _grads(case, t)
+    assert len(calls) == 3
+    for gradient in ("grad_input", "grad_weight", "both"):
+        _slower_than_tuned(auto._key(case.spec(), gradient, t["grad_output"]), 1e-6)  # tuned 1e6 times slower
+    for _ in range(2 * auto._DRIFT_CALLS):
+        assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
+    assert len(calls) == 3
 
 
 def test_batches_up_to_the_next_power_of_two_share_one_tuning(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,15 +8,21 @@ memory format, thread count) is seen, batch sizes counted up to the next power o
 candidate computes the gradient on the real tensors once as a probe, and those that agree with
 native within tolerance are timed, interleaved, a few times each (each time on its second call
 in a row, after a warm-up call); the fastest, by the median over rounds of its time over
-native's in the same round, is remembered for the rest of the process. A
-candidate that disagreed with native on the probe is never chosen, and one that beats native by
-less than ``PREFER_NATIVE`` (3%, about the noise of one tuning) is not either. When both gradients
-are wanted, one more choice is tuned ("both"): the two per-gradient winners one after the other
-("split", when they differ), or one backend's own backward for both, which may share work
-(native's aten.convolution_backward, gemm's columns). Split must beat every one of those by
-``PREFER_NATIVE`` as well.
+native's in the same round, is remembered. A candidate that disagreed with native on the probe
+is never chosen, and one that beats native by less than ``PREFER_NATIVE`` (3%, about the noise
+of one tuning) is not either. A close call (a runner-up within 10% of the best) gets more rounds,
+among the options still in it, than a clear one. When both gradients are wanted, one more choice
+is tuned ("both"): the two per-gradient winners one after the other ("split", when they differ),
+or one backend's own backward for both, which may share work (native's aten.convolution_backward,
+gemm's columns). Split must beat every one of those by ``PREFER_NATIVE`` as well.
 Tuning runs under ``torch.no_grad()``; when no graph is being built, the winner's probe result is
 returned, so the first call costs only the extra timings.
+
+A choice is watched on the CPU: when its calls run ``_DRIFT`` (2) times slower per sample than it
+was tuned at, ``_DRIFT_CALLS`` (3) calls in a row, it is tuned again, at most ``_MAX_RETUNES`` (2)
+times per configuration. A backend's speed can change within a process (on a 2-core VM, gemm's
+grad_weight of MobileNetV2's pointwise conv went from 4.6 to 11 ms per call after a few seconds,
+while native stayed at 4.5-5.9 ms), and a choice made once would keep the slow one.
 
 Modes, set by :func:`set_mode` or the ``CONVGRAD_AUTOTUNE`` environment variable (read on first use):
 
@@ -24,31 +30,25 @@ Modes, set by :func:`set_mode` or the ``CONVGRAD_AUTOTUNE`` environment variable
   timings, so results may differ between runs in the last bits of floating point.
 * ``"fixed"``: no timing; always ``FIXED_CHOICE`` ("native"), deterministic and bitwise PyTorch's.
 
-Persistence (off by default): ``CONVGRAD_AUTOTUNE_CACHE=1`` keeps the winners in
-``<user cache dir>/convgrad/autotune.json`` (``$XDG_CACHE_HOME`` or ``~/.cache``; ``%LOCALAPPDATA%``
-on Windows), ``CONVGRAD_AUTOTUNE_CACHE=/some/file.json`` in that file. Entries name the device
-model and thread count, and the file is ignored under a different torch version.
+Persistence (off by default): ``CONVGRAD_AUTOTUNE_CACHE=1`` keeps the winners in the user cache
+directory, ``CONVGRAD_AUTOTUNE_CACHE=/some/file.json`` in that file (:mod:`convgrad.backends.auto_cache`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import json
 import os
-import platform
-import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from convgrad._ops import plain
-from convgrad.backends import Backend, backend_names, get_backend, register
+from convgrad.backends import Backend, auto_cache, backend_names, get_backend, register
+from convgrad.backends.auto_cache import cache_path, device_name
+from convgrad.backends.auto_tuning import PREFER_NATIVE, Choice, Result
+from convgrad.backends.auto_tuning import tune as _tune
 from convgrad.spec import ConvSpec
 
 __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "Choice", "batch_bucket", "cache_path", "chosen", "clear",
@@ -57,34 +57,18 @@ __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "Choice", "batch_bucke
 CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm")  # those registered take part
 FIXED_CHOICE = "native"
 MODES = ("tune", "fixed")
-# agreement with native on the probe: max |a - native| <= RTOL * max |native| + ATOL (per real dtype)
-_AGREE = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-3, 1e-6), torch.float16: (2e-2, 1e-3),
-          torch.bfloat16: (5e-2, 1e-2)}
-_TIME_BUDGET_S = 1.0  # wall time after which the rounds of one tuning stop, close call or not (warm-up calls count)
-_MIN_ROUNDS, _MAX_ROUNDS = 3, 15
-_CLEAR_MARGIN = 1.1  # stop after _MIN_ROUNDS once the runner-up is this much slower than the best
-# Another option replaces native only when its best time beats native's by more than this factor. Timings of one
-# tuning carry a few percent of noise on a shared machine; a winner by less than that was often slower than native
-# when measured again (`convgrad bench`, 2 threads: ResNet-50 3x3/2 "split" tuned 1% faster, measured 1.09x native).
-# Keeping native there costs at most 3%, and gives PyTorch's own numbers.
-PREFER_NATIVE = 1.03
+# The watch (module docstring): calls this many times slower per sample than tuned, this many in a row, re-tune;
+# choices tuned faster than _DRIFT_MIN_S are not watched (cold caches alone slow down tiny calls, and little is lost)
+_DRIFT, _DRIFT_CALLS, _MAX_RETUNES, _DRIFT_MIN_S = 2.0, 3, 2, 1e-3
 
 Gradient = Callable[[Backend], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The outcome of one tuning: the winner, each agreeing candidate's median time (s), the rejected ones."""
-
-    backend: str
-    times: dict[str, float]
-    rejected: tuple[str, ...] = ()
 
 
 _mode: str | None = None  # None: not read from the environment yet
 Key = tuple[ConvSpec, str, torch.dtype, torch.device, bool, int]
 _choices: dict[Key, Choice] = {}
-_loaded_from: Path | None = None
+_slow: dict[Key, int] = {}  # calls in a row that ran _DRIFT times slower than tuned
+_retunes: dict[Key, int] = {}
 
 
 def set_mode(mode: str) -> str:
@@ -136,33 +120,10 @@ def tuning_mode(mode: str) -> Iterator[None]:
 
 def clear() -> None:
     """Forget every tuned choice held in memory (the cache file, if any, is left alone)."""
-    global _loaded_from
     _choices.clear()
-    _stored.clear()
-    _loaded_from = None
-
-
-def cache_path() -> Path | None:
-    """The persistence file named by ``CONVGRAD_AUTOTUNE_CACHE``, or None when persistence is off."""
-    value = os.environ.get("CONVGRAD_AUTOTUNE_CACHE", "").strip()
-    if value.lower() in ("", "0", "false", "off", "no"):
-        return None
-    if value.lower() not in ("1", "true", "on", "yes"):
-        return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.environ.get("LOCALAPPDATA") or Path.home() / ".cache"
-    return Path(base) / "convgrad" / "autotune.json"
-
-
-@functools.cache
-def device_name(device: torch.device) -> str:
-    """The model of a device: the GPU's name, or the CPU's from /proc/cpuinfo (platform's elsewhere)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    _slow.clear()
+    _retunes.clear()
+    auto_cache.clear()
 
 
 def batch_bucket(batch: int) -> int:
@@ -206,44 +167,21 @@ def chosen(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Choice | None:
     return _lookup(_key(spec, gradient, like))
 
 
-_stored: dict[str, dict[str, object]] = {}  # the cache file's entries, by key text
-
-
 def _lookup(key: Key) -> Choice | None:
-    """The choice in memory, else in the cache file (read once per path)."""
-    global _loaded_from
+    """The choice in memory, else in the cache file."""
     if key in _choices:
         return _choices[key]
-    path = cache_path()
-    if path is None:
-        return None
-    if path != _loaded_from:
-        _loaded_from = path
-        _stored.clear()
-        with contextlib.suppress(OSError, ValueError):
-            data = json.loads(path.read_text())
-            if isinstance(data, dict) and data.get("torch") == torch.__version__:
-                _stored.update(data.get("choices", {}))
-    entry = _stored.get(_key_text(key))
-    if isinstance(entry, dict) and entry.get("backend") in (*backend_names(), "split"):
-        _choices[key] = Choice(str(entry["backend"]), dict(entry.get("times", {})),  # type: ignore[call-overload]
-                               tuple(entry.get("rejected", ())))  # type: ignore[call-overload]
+    entry = auto_cache.entry(_key_text(key))
+    if entry is not None and entry.get("backend") in (*backend_names(), "split"):
+        _choices[key] = Choice(str(entry["backend"]), dict(entry.get("times", {})), tuple(entry.get("rejected", ())),
+                               int(entry.get("batch", 0)))
         return _choices[key]
     return None
 
 
 def _save() -> None:
-    path = cache_path()
-    if path is None:
-        return
-    entries = dict(_stored)
-    entries.update({_key_text(k): {"backend": c.backend, "times": c.times, "rejected": list(c.rejected)}
-                    for k, c in _choices.items()})
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"torch": torch.__version__, "choices": entries}, indent=1))
-        os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
+    auto_cache.save({_key_text(k): {"backend": c.backend, "times": c.times, "rejected": list(c.rejected),
+                                    "batch": c.batch} for k, c in _choices.items()})
 
 
 def _tunable(*tensors: torch.Tensor) -> bool:
@@ -253,93 +191,22 @@ def _tunable(*tensors: torch.Tensor) -> bool:
     return all(plain(t) and t.device.type != "meta" for t in tensors)
 
 
-Result = Any  # a gradient, or a (grad_input, grad_weight) pair
-
-
-def _agrees(out: Result, ref: Result) -> bool:
-    if isinstance(ref, tuple):
-        return all(_agrees(o, r) for o, r in zip(out, ref, strict=True))
-    if out.shape != ref.shape or out.dtype != ref.dtype:
-        return False
-    real = torch.empty((), dtype=ref.dtype).real.dtype
-    rtol, atol = _AGREE.get(real, (1e-3, 1e-6))
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    return ref.numel() == 0 or float((out - ref).abs().max()) <= rtol * scale + atol
-
-
-def _finite(ref: Result) -> bool:
-    return all(bool(torch.isfinite(r).all()) for r in (ref if isinstance(ref, tuple) else (ref,)))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(option: Callable[[], Result], device: torch.device) -> tuple[Result, float]:
-    _sync(device)
+def _watched(key: Key, choice: Choice, batch: int, run: Callable[[], Result]) -> Result:
+    """Run the chosen option; on the CPU, time it, and forget the choice (the next call tunes again) once it ran
+    _DRIFT times slower per sample than tuned, _DRIFT_CALLS calls in a row."""
+    tuned = choice.times.get(choice.backend, 0.0)
+    if (key[3].type != "cpu" or tuned < _DRIFT_MIN_S or not (choice.batch and batch)
+            or _retunes.get(key, 0) >= _MAX_RETUNES):
+        return run()
     start = time.perf_counter()
-    out = option()
-    _sync(device)
-    return out, time.perf_counter() - start
-
-
-def _tune(options: dict[str, Callable[[], Result]], device: torch.device) -> tuple[Choice, Result]:
-    """Probe every option against "native", then time the agreeing ones in interleaved rounds; the option with
-    the lowest median ratio to native within a round wins, if it beats native by more than PREFER_NATIVE."""
-    with torch.no_grad():
-        outs = {name: option() for name, option in options.items()}  # the probe, also the warm-up
-        ref = outs["native"]
-        if not _finite(ref):
-            return Choice("native", {}, ()), ref
-        ok = [n for n in options if n == "native" or _agrees(outs[n], ref)]
-        samples = _rounds({n: options[n] for n in ok}, device)
-    winner = _winner(_paired(samples))
-    times = {n: statistics.median(s) for n, s in samples.items()}
-    return Choice(winner, times, tuple(n for n in options if n not in ok)), outs[winner]
-
-
-def _winner(ratios: dict[str, float]) -> str:
-    """Native, unless one backend's own call beats it by more than PREFER_NATIVE; "split" only if it beats every
-    backend's own call, native's included, by as much. Split is two calls that share nothing (native's backward
-    reorders grad_output once for both gradients), and a tuning's noise favours whichever option it happened to
-    flatter: ResNet-50's 1x1 reduce tuned split 3% faster than native, then measured 1.036x native in the bench."""
-    singles = [n for n in ratios if n != "split"]
-    best = min(singles, key=lambda n: (ratios[n], n != "native"))
-    winner = best if ratios[best] * PREFER_NATIVE <= ratios["native"] else "native"
-    if "split" in ratios and ratios["split"] * PREFER_NATIVE <= ratios[best]:
-        winner = "split"
-    return winner
-
-
-def _paired(samples: dict[str, list[float]]) -> dict[str, float]:
-    """Each option's median over rounds of its time over native's in the same round (native: 1.0).
-
-    Paired within a round, load that comes and goes during the tuning cancels out of each ratio; the
-    median, not the best time, is what a layer then runs at (`convgrad bench` reports the same statistic).
-    """
-    ref = samples["native"]
-    return {n: statistics.median(t / r for t, r in zip(s, ref, strict=True)) for n, s in samples.items()}
-
-
-def _rounds(options: dict[str, Callable[[], Result]], device: torch.device) -> dict[str, list[float]]:
-    """Each option's times over interleaved rounds (order rotating): at least _MIN_ROUNDS, then more while the
-    two fastest are within _CLEAR_MARGIN of each other, up to _MAX_ROUNDS or _TIME_BUDGET_S."""
-    names, samples, spent = list(options), {n: [] for n in options}, 0.0
-    for r in range(_MAX_ROUNDS):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            # timed on its second call in a row, as torch.utils.benchmark (and so `convgrad bench`) times it: a
-            # first call after another option ran in that option's cache and heap state. Timed alone, ResNet-50's
-            # 1x1 expand tuned "split" 5% faster than native, then ran 4.5-5.8% slower than native.
-            warm = _timed(options[n], device)[1]
-            seconds = _timed(options[n], device)[1]
-            samples[n].append(seconds)
-            spent += warm + seconds
-        ratios = sorted(_paired(samples).values())
-        clear = len(ratios) < 2 or ratios[1] > _CLEAR_MARGIN * ratios[0]
-        if r + 1 >= _MIN_ROUNDS and (clear or spent > _TIME_BUDGET_S):
-            break
-    return samples
+    out = run()
+    slow = (time.perf_counter() - start) / batch > _DRIFT * tuned / choice.batch
+    _slow[key] = _slow.get(key, 0) + 1 if slow else 0
+    if _slow[key] >= _DRIFT_CALLS:
+        _retunes[key] = _retunes.get(key, 0) + 1
+        del _slow[key], _choices[key]
+        auto_cache.forget(_key_text(key))
+    return out
 
 
 def _candidates(like: torch.Tensor) -> list[Backend]:
@@ -376,14 +243,16 @@ class AutoBackend(Backend):
             if bi.name != bw.name:
                 options["split"] = lambda: (bi.input_grad(spec, weight, grad_output),
                                             bw.weight_grad(spec, input, grad_output))
-            known, out = _tune(options, grad_output.device)
+            known, out = _tune(options, grad_output.device, spec.batch)
             _choices[key] = known
             _save()
             if not torch.is_grad_enabled():
                 return out
-        if known.backend != "split":
-            return get_backend(known.backend).backward(spec, grad_output, input, weight, True, True)
-        return self.input_grad(spec, weight, grad_output), self.weight_grad(spec, input, grad_output)
+        if known.backend == "split":  # each gradient's own choice, watched on its own
+            return self.input_grad(spec, weight, grad_output), self.weight_grad(spec, input, grad_output)
+        backend = get_backend(known.backend)
+        return _watched(key, known, spec.batch,
+                        lambda: backend.backward(spec, grad_output, input, weight, True, True))
 
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         return self._grad(spec, "grad_input", lambda b: b.input_grad(spec, weight, grad_output), grad_output, weight)
@@ -409,10 +278,12 @@ class AutoBackend(Backend):
         key = _key(spec, gradient, grad_output)
         known = _choices.get(key) or _lookup(key)
         if known is not None:
-            return call(get_backend(known.backend))
+            backend = get_backend(known.backend)
+            return _watched(key, known, spec.batch, lambda: call(backend)) if _tunable(grad_output) else call(backend)
         if not _tunable(grad_output, operand):
             return call(get_backend(FIXED_CHOICE))
-        known, out = _tune({b.name: (lambda b=b: call(b)) for b in _candidates(grad_output)}, grad_output.device)
+        known, out = _tune({b.name: (lambda b=b: call(b)) for b in _candidates(grad_output)}, grad_output.device,
+                           spec.batch)
         _choices[key] = known
         _save()
         return call(get_backend(known.backend)) if torch.is_grad_enabled() else out
