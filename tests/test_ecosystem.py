@@ -114,6 +114,39 @@ def test_vmap_over_inputs_and_weights(backend: str, device: torch.device) -> Non
     torch.testing.assert_close(ours, ref, **TOL[F64])
 
 
+ONE_SIDE_BATCHED = [  # (input shape, weight shape, stride, groups): depthwise taps, phase convs, 1d, gemm's fold
+    ((2, 4, 9, 9), (4, 1, 3, 3), 2, 4),
+    ((2, 4, 9, 8), (6, 2, 3, 2), 2, 2),
+    ((2, 3, 11), (4, 3, 4), 3, 1),
+]
+
+
+@pytest.mark.parametrize("case", ONE_SIDE_BATCHED, ids=str)
+@pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
+def test_vmap_over_one_operand_with_a_shared_grad_output(backend: str, case: tuple[Any, ...], device: torch.device,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """vmap over the weight alone (grad_input) or the input alone (grad_weight), grad_output shared: a buffer that
+    batched results are written into must be batched as well."""
+    input_shape, weight_shape, stride, groups = case
+    g = torch.Generator().manual_seed(1)
+    ws, xs = (torch.randn(3, *s, generator=g, dtype=F64).to(device) for s in (weight_shape, input_shape))
+    conv = getattr(F, f"conv{len(input_shape) - 2}d")
+    gy = torch.randn(conv(xs[0], ws[0], stride=stride, groups=groups).shape, generator=g, dtype=F64).to(device)
+    if backend == "gemm":
+        monkeypatch.setattr(get_backend("gemm"), "max_workspace_bytes", 512)  # several chunks: one shared result
+
+    def input_grad(w: torch.Tensor, b: str) -> torch.Tensor:
+        return cg.conv_input_grad(input_shape, w, gy, stride, groups=groups, backend=b)
+
+    def weight_grad(x: torch.Tensor, b: str) -> torch.Tensor:
+        return cg.conv_weight_grad(x, weight_shape, gy, stride, groups=groups, backend=b)
+
+    for grad_of, operands in ((input_grad, ws), (weight_grad, xs)):
+        ours = vmap(lambda t: grad_of(t, backend))(operands)  # noqa: B023
+        ref = torch.stack([grad_of(t, "native") for t in operands])
+        torch.testing.assert_close(ours, ref, **TOL[F64])
+
+
 @pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
 def test_vmap_of_grad_gives_per_sample_gradients(backend: str, device: torch.device) -> None:
     """The torch.func per-sample-gradient recipe: vmap(grad(loss)) over the batch, weight and bias."""

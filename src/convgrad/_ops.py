@@ -51,6 +51,13 @@ def plain(t: torch.Tensor) -> bool:
     return all(c is not None and not c(t) for c in checks) and forward_ad.unpack_dual(t).tangent is None
 
 
+def buffer_source(data: torch.Tensor, kernel: torch.Tensor | None) -> torch.Tensor:
+    """The tensor to make a result buffer from (``new_empty``/``new_zeros``): data, unless only the kernel is
+    wrapped by a functorch transform (vmap over the weight alone). A buffer made from unwrapped data could not
+    take the batched results written into it in place."""
+    return kernel if kernel is not None and plain(data) and not plain(kernel) else data
+
+
 def add_product_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool) -> None:
     """target += a * b in place (broadcasting): one ``addcmul_`` when ``fused`` (plain tensors, see :func:`plain`),
     else ``add_`` of the product, because functorch has no batching rule for ``addcmul_`` and would fall back to a

@@ -111,7 +111,7 @@ class PhaseConvs:
     chunked: bool = False  # memory-bound phases: a few samples at a time on the CPU (CHUNK_BYTES)
 
     def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        out = _new_like(data, self.shape)
+        out = _new_like(data, self.shape, kernel)
         taps = [None if p is None else p.taps(kernel) for p in self.phases]
         write = self._write_pairs if self._pairs_as_complex(out, data, kernel) else self._write_phases
         n, chunk = out.shape[0], self.batch_chunk(out, data)

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from convgrad._ops import add_product_, plain, sliced
+from convgrad._ops import add_product_, buffer_source, plain, sliced
 from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
@@ -45,8 +45,11 @@ def _channels_last(t: torch.Tensor) -> bool:
     return t.dim() >= 3 and t.shape[1] > 1 and t.stride(1) == 1 and not t.is_contiguous()
 
 
-def _new_like(data: torch.Tensor, shape: Shape) -> torch.Tensor:
-    """An uninitialised tensor of this shape in data's memory format (channels last stays channels last)."""
+def _new_like(data: torch.Tensor, shape: Shape, kernel: torch.Tensor | None = None) -> torch.Tensor:
+    """An uninitialised tensor of this shape in data's memory format (channels last stays channels last).
+
+    Made from ``kernel`` when only the kernel is batched (``_ops.buffer_source``)."""
+    data = buffer_source(data, kernel)
     if _channels_last(data):
         return data.new_empty((shape[0], *shape[2:], shape[1])).movedim(-1, 1)
     return data.new_empty(shape)
@@ -145,7 +148,7 @@ class DepthwiseTaps:
         fused = plain(data) and plain(kernel)
         out = None
         if not self._indices or self._indices[0][1] is not None:  # no tap reaches every row: start from zeros
-            out = _new_like(data, (data.shape[0], *self.shape[1:])).zero_()  # (B, C, *rows)
+            out = _new_like(data, (data.shape[0], *self.shape[1:]), kernel).zero_()  # (B, C, *rows)
         for tap, rows, src in self._indices:
             part = data if src is None else data[src]
             if out is None:
