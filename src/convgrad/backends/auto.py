@@ -9,12 +9,13 @@ candidate computes the gradient on the real tensors once as a probe, and those t
 native within tolerance are timed, interleaved, a few times each (each time on its second call
 in a row, after a warm-up call); the fastest, by the median over rounds of its time over
 native's in the same round, is remembered. A candidate that disagreed with native on the probe
-is never chosen, and one that beats native by less than ``PREFER_NATIVE`` (3%, about the noise
+is never chosen, and one that beats native by less than ``PREFER_NATIVE`` (1.5%, about the noise
 of one tuning) is not either. A close call (a runner-up within 10% of the best) gets more rounds,
 among the options still in it, than a clear one. When both gradients are wanted, one more choice
-is tuned ("both"): the two per-gradient winners one after the other ("split", when they differ),
-or one backend's own backward for both, which may share work (native's aten.convolution_backward,
-gemm's columns). Split must beat every one of those by ``PREFER_NATIVE`` as well.
+is tuned ("both"): one backend's own backward for both, which may share work (native's
+aten.convolution_backward, gemm's columns), or the two per-gradient winners one after the other
+("split", when they differ). When one backend won both gradients, it is the incumbent there instead
+of native. Split must beat every backend by ``SPLIT_MARGIN`` (3%).
 Tuning runs under ``torch.no_grad()``; when no graph is being built, the winner's probe result is
 returned, so the first call costs only the extra timings.
 
@@ -47,12 +48,12 @@ import torch
 from convgrad._ops import plain
 from convgrad.backends import Backend, auto_cache, backend_names, get_backend, register
 from convgrad.backends.auto_cache import cache_path, device_name
-from convgrad.backends.auto_tuning import PREFER_NATIVE, Choice, Result
+from convgrad.backends.auto_tuning import PREFER_NATIVE, SPLIT_MARGIN, Choice, Result
 from convgrad.backends.auto_tuning import tune as _tune
 from convgrad.spec import ConvSpec
 
-__all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "Choice", "batch_bucket", "cache_path", "chosen", "clear",
-           "device_name", "get_mode", "set_mode", "tuning_mode"]
+__all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
+           "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
 
 CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm")  # those registered take part
 FIXED_CHOICE = "native"
@@ -243,7 +244,7 @@ class AutoBackend(Backend):
             if bi.name != bw.name:
                 options["split"] = lambda: (bi.input_grad(spec, weight, grad_output),
                                             bw.weight_grad(spec, input, grad_output))
-            known, out = _tune(options, grad_output.device, spec.batch)
+            known, out = _tune(options, grad_output.device, spec.batch, bi.name if bi.name == bw.name else "native")
             _choices[key] = known
             _save()
             if not torch.is_grad_enabled():
