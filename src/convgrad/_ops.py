@@ -43,8 +43,9 @@ def sliced(t: torch.Tensor, slices: Sequence[slice], start_dim: int | None = Non
 def plain(t: torch.Tensor) -> bool:
     """A plain tensor: no subclass, no functorch wrapper (vmap, grad, jvp, jacrev), not batched by the legacy
     vmap of ``is_grads_batched``, no forward-AD tangent. Only such tensors may take paths that read values
-    (autotuning) or write through ``out=`` (no batching or forward-AD rules)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+    (autotuning) or write through ``out=`` (no batching or forward-AD rules). Nothing is plain while
+    torch.compile traces: dynamo cannot trace the functorch queries below."""
+    if torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter):
         return False
     checks = [getattr(torch._C._functorch, name, None)  # private: when one is missing, assume wrapped
               for name in ("is_functorch_wrapped_tensor", "is_legacy_batchedtensor")]
