@@ -104,10 +104,10 @@ def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monk
     ({"native": 1.00, "fwdconv": 0.97, "gemm": 0.99}, "fwdconv"),  # 3% faster: a real win
     ({"native": 1.00, "fwdconv": 1.01, "gemm": 0.90}, "gemm"),
     ({"native": 1.00, "fwdconv": 0.99, "gemm": 1.20, "split": 0.98}, "native"),  # split too: within the noise
-    ({"native": 1.00, "fwdconv": 0.90, "gemm": 1.20, "split": 0.88}, "fwdconv"),  # split must beat fwdconv by 3%
+    ({"native": 1.00, "fwdconv": 0.90, "gemm": 1.20, "split": 0.86}, "fwdconv"),  # split must beat fwdconv by 5%
     ({"native": 1.00, "fwdconv": 0.90, "gemm": 1.20, "split": 0.85}, "split"),
     ({"native": 1.00, "fwdconv": 1.10, "gemm": 1.20, "split": 0.90}, "split"),
-    ({"native": 1.00, "fwdconv": 0.99, "gemm": 1.20, "split": 0.965}, "native"),  # split: 2.5% under fwdconv
+    ({"native": 1.00, "fwdconv": 0.99, "gemm": 1.20, "split": 0.95}, "native"),  # split: 4% under fwdconv
     ({"native": 1.00, "fwdconv": 0.975, "gemm": 1.20, "split": 0.96}, "fwdconv"),
 ])
 def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, float], winner: str,
@@ -117,7 +117,7 @@ def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, 
     choice, out = auto._tune({n: (lambda: x) for n in times}, x.device)
     assert choice.backend == winner and choice.times == pytest.approx({n: 1.5 * t for n, t in times.items()})
     assert out is x
-    assert (auto.PREFER_NATIVE, auto.SPLIT_MARGIN) == (1.015, 1.03)
+    assert (auto.PREFER_NATIVE, auto.SPLIT_MARGIN) == (1.015, 1.05)
 
 
 @pytest.mark.parametrize(("ratios", "incumbent", "winner"), [

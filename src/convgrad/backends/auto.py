@@ -15,7 +15,7 @@ among the options still in it, than a clear one. When both gradients are wanted,
 is tuned ("both"): one backend's own backward for both, which may share work (native's
 aten.convolution_backward, gemm's columns), or the two per-gradient winners one after the other
 ("split", when they differ). When one backend won both gradients, it is the incumbent there instead
-of native. Split must beat every backend by ``SPLIT_MARGIN`` (3%).
+of native. Split must beat every backend by ``SPLIT_MARGIN`` (5%).
 Tuning runs under ``torch.no_grad()``; when no graph is being built, the winner's probe result is
 returned, so the first call costs only the extra timings.
 

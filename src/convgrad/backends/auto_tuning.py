@@ -34,10 +34,12 @@ _CLEAR_MARGIN = 1.1
 # a winner by less than that may be slower when measured again. The margin is half of the 3% within which
 # `convgrad bench` wants auto of the fastest backend: larger, real wins of 3-4% were kept out (wav2vec2's k3/2,
 # fwdconv 3.7% faster than native in the bench, stayed native); smaller, noise won (with the close-call rounds,
-# a tuning's error is about 1.5%). Split is held to 3%: it is two calls that share nothing (native's backward
-# reorders grad_output once for both gradients), and tunings flattered it: ResNet-50's 1x1 reduce tuned split 3%
-# faster than native, then measured 1.036x native; its 3x3/2 tuned split 1% faster, then measured 1.09x.
-PREFER_NATIVE, SPLIT_MARGIN = 1.015, 1.03
+# a tuning's error is about 1.5%). Split is held to 5%: it is two calls that share nothing (native's backward
+# reorders grad_output once for both gradients), and tunings flattered it, by up to 6%: U-Net's up-conv tuned
+# split over 3% faster than native, then measured 1.044x native; ResNet-50's 1x1 reduce tuned it 3% faster, then
+# measured 1.036x. A single backend is never more than the noise away from the fastest single backend; a split
+# wrongly chosen can be, and one rightly dropped costs only its gain.
+PREFER_NATIVE, SPLIT_MARGIN = 1.015, 1.05
 
 Result = Any  # a gradient, or a (grad_input, grad_weight) pair
 
