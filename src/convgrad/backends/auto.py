@@ -9,7 +9,7 @@ candidate computes the gradient on the real tensors once as a probe, and those t
 native within tolerance are timed, interleaved, a few times each (each time on its second call
 in a row, after a warm-up call); the fastest, by the median over rounds of its time over
 native's in the same round, is remembered. A candidate that disagreed with native on the probe
-is never chosen, and one that beats native by less than ``PREFER_NATIVE`` (1.5%, about the noise
+is never chosen, and one that beats native by less than ``PREFER_NATIVE`` (3%, about the noise
 of one tuning) is not either. A close call (a runner-up within 10% of the best) gets more rounds,
 among the options still in it, than a clear one. When both gradients are wanted, one more choice
 is tuned ("both"): one backend's own backward for both, which may share work (native's
