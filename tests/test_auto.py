@@ -259,6 +259,26 @@ def test_winners_persist_to_the_cache_file_and_load_back(tune: None, tmp_path: A
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
 
 
+@pytest.mark.parametrize("field", ["batch", "times", "rejected"])
+def test_a_malformed_cache_entry_is_ignored_and_tuned_again(tune: None, tmp_path: Any, field: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", str(path))
+    case = CASES[1]
+    t = make_tensors(case)
+    _grads(case, t)
+    data = json.loads(path.read_text())
+    for entry in data["choices"].values():
+        entry[field] = None
+    path.write_text(json.dumps(data))
+    auto.clear()
+    calls: list[int] = []
+    real = auto._tune
+    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
+    assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize(("value", "expected"), [("", None), ("0", None), ("off", None), ("1", "default"),
                                                  ("/tmp/x/choices.json", "/tmp/x/choices.json")])
 def test_persistence_is_off_by_default_and_on_by_env(value: str, expected: str | None,

@@ -125,8 +125,8 @@ ONE_SIDE_BATCHED = [  # (input shape, weight shape, stride, groups): depthwise t
 @pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
 def test_vmap_over_one_operand_with_a_shared_grad_output(backend: str, case: tuple[Any, ...], device: torch.device,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """vmap over the weight alone (grad_input) or the input alone (grad_weight), grad_output shared: a buffer that
-    batched results are written into must be batched as well."""
+    """vmap over the weight alone (grad_input) or the input alone (grad_weight), grad_output shared, nested with a
+    vmap over grad_output, and vmap of grad: a buffer that batched results are written into must be batched too."""
     input_shape, weight_shape, stride, groups = case
     g = torch.Generator().manual_seed(1)
     ws, xs = (torch.randn(3, *s, generator=g, dtype=F64).to(device) for s in (weight_shape, input_shape))
@@ -145,6 +145,18 @@ def test_vmap_over_one_operand_with_a_shared_grad_output(backend: str, case: tup
         ours = vmap(lambda t: grad_of(t, backend))(operands)  # noqa: B023
         ref = torch.stack([grad_of(t, "native") for t in operands])
         torch.testing.assert_close(ours, ref, **TOL[F64])
+    gys = torch.stack([gy, -2 * gy])  # nested: the weight batched at one level, grad_output at the other
+
+    def nested(b: str) -> torch.Tensor:
+        return vmap(lambda w: vmap(lambda g: cg.conv_input_grad(input_shape, w, g, stride, groups=groups,
+                                                                 backend=b))(gys))(ws)
+
+    torch.testing.assert_close(nested(backend), nested("native"), **TOL[F64])
+
+    def per_weight_grad(b: str) -> torch.Tensor:  # vmap of grad over the weight
+        return vmap(grad(lambda w: input_grad(w, b).square().sum()))(ws)
+
+    torch.testing.assert_close(per_weight_grad(backend), per_weight_grad("native"), **TOL[F64])
 
 
 @pytest.mark.parametrize("backend", TORCH_OPS_ONLY)

@@ -52,11 +52,14 @@ def plain(t: torch.Tensor) -> bool:
     return all(c is not None and not c(t) for c in checks) and forward_ad.unpack_dual(t).tangent is None
 
 
-def buffer_source(data: torch.Tensor, kernel: torch.Tensor | None) -> torch.Tensor:
-    """The tensor to make a result buffer from (``new_empty``/``new_zeros``): data, unless only the kernel is
-    wrapped by a functorch transform (vmap over the weight alone). A buffer made from unwrapped data could not
-    take the batched results written into it in place."""
-    return kernel if kernel is not None and plain(data) and not plain(kernel) else data
+def batched_like(buffer: torch.Tensor, kernel: torch.Tensor | None) -> torch.Tensor:
+    """buffer, batched like kernel as well when a functorch transform wraps kernel (vmap over the weight with
+    grad_output shared, at any nesting, or vmap of grad): results computed from kernel are written into the buffer
+    in place, which needs every batch dim they have. A no-op for a plain kernel."""
+    if kernel is None or plain(kernel) or kernel.numel() == 0:
+        return buffer
+    zero = torch.zeros_like(kernel.reshape(-1)[:1])  # (1,), batched like kernel at every level
+    return buffer + zero.reshape((1,) * buffer.dim())
 
 
 def add_product_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool) -> None:

@@ -173,11 +173,14 @@ def _lookup(key: Key) -> Choice | None:
     if key in _choices:
         return _choices[key]
     entry = auto_cache.entry(_key_text(key))
-    if entry is not None and entry.get("backend") in (*backend_names(), "split"):
-        _choices[key] = Choice(str(entry["backend"]), dict(entry.get("times", {})), tuple(entry.get("rejected", ())),
-                               int(entry.get("batch", 0)))
-        return _choices[key]
-    return None
+    if entry is None or entry.get("backend") not in (*backend_names(), "split"):
+        return None
+    try:  # an entry edited by hand or written by another version: ignored, tuned again
+        _choices[key] = Choice(str(entry["backend"]), {str(n): float(t) for n, t in entry.get("times", {}).items()},
+                               tuple(map(str, entry.get("rejected", ()))), int(entry.get("batch", 0)))
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return _choices[key]
 
 
 def _save() -> None:

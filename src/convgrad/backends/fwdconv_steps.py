@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from convgrad._ops import add_product_, buffer_source, plain, sliced
+from convgrad._ops import add_product_, batched_like, plain, sliced
 from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
@@ -46,13 +46,11 @@ def _channels_last(t: torch.Tensor) -> bool:
 
 
 def _new_like(data: torch.Tensor, shape: Shape, kernel: torch.Tensor | None = None) -> torch.Tensor:
-    """An uninitialised tensor of this shape in data's memory format (channels last stays channels last).
-
-    Made from ``kernel`` when only the kernel is batched (``_ops.buffer_source``)."""
-    data = buffer_source(data, kernel)
+    """An uninitialised tensor of this shape in data's memory format (channels last stays channels last), batched
+    like ``kernel`` too under functorch transforms (``_ops.batched_like``)."""
     if _channels_last(data):
-        return data.new_empty((shape[0], *shape[2:], shape[1])).movedim(-1, 1)
-    return data.new_empty(shape)
+        return batched_like(data.new_empty((shape[0], *shape[2:], shape[1])).movedim(-1, 1), kernel)
+    return batched_like(data.new_empty(shape), kernel)
 
 
 def _dims(values: object) -> str:

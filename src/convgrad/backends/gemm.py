@@ -47,7 +47,7 @@ import itertools
 
 import torch
 
-from convgrad._ops import add_product_, buffer_source, pad, plain, sliced
+from convgrad._ops import add_product_, batched_like, pad, plain, sliced
 from convgrad.backends import Backend, register
 from convgrad.spec import ConvSpec
 
@@ -199,7 +199,7 @@ class GemmBackend(Backend):
         wcols = [slice(b.start * taps, b.stop * taps) for b in blocks]
         starts = range(0, spec.batch, samples)
         # several chunks write their part of grad_input into one tensor (a fresh big buffer per call is costly)
-        gi = buffer_source(like, weight).new_empty(spec.input_shape) if need_input and len(starts) > 1 else None
+        gi = batched_like(like.new_empty(spec.input_shape), weight) if need_input and len(starts) > 1 else None
         gws: list[torch.Tensor | None] = [None] * len(blocks)
         run = self._transposed_chunk if spec.transposed else self._chunk
         for start in starts:
@@ -227,7 +227,7 @@ class GemmBackend(Backend):
         xr_shape = (spec.groups, spec.x_channels // spec.groups, grad_output.shape[0], *spec.x_read_size)
         # a 1x1 kernel with stride 1 reads every position once: the fold is the identity
         identity = len(blocks) == 1 and spec.taps == 1 and spec.x_read_size == spec.y_size
-        xr = buffer_source(grad_output, wmat).new_zeros(xr_shape) if need_input and not identity else None
+        xr = batched_like(grad_output.new_zeros(xr_shape), wmat) if need_input and not identity else None
         gws = []
         for block, wc in zip(blocks, wcols):
             if need_weight:
