@@ -33,6 +33,18 @@ def tune() -> Iterator[None]:
     auto.clear()
 
 
+Tunings = list[tuple[Any, ...]]  # the arguments of each call of auto._tune
+
+
+@pytest.fixture
+def tunings(monkeypatch: pytest.MonkeyPatch) -> Tunings:
+    """The arguments of every tuning from here on (each still runs)."""
+    seen: list[tuple[Any, ...]] = []
+    real = auto._tune
+    monkeypatch.setattr(auto, "_tune", lambda *a: seen.append(a) or real(*a))
+    return seen
+
+
 def _grads(case: Case, t: dict[str, torch.Tensor], backend: str = "auto") -> dict[str, torch.Tensor | None]:
     gi, gw, _ = cg.conv_backward(t["grad_output"], t["input"], t["weight"], None, case.stride, case.padding,
                                  case.dilation, case.transposed, case.output_padding, case.groups,
@@ -51,14 +63,10 @@ def test_fixed_mode_is_bitwise_native() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_tuning_chooses_once_per_gradient_and_matches_autograd(tune: None, case: Case,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tuning_chooses_once_per_gradient_and_matches_autograd(tune: None, tunings: Tunings, case: Case) -> None:
     t = make_tensors(case)
-    calls: list[int] = []
-    real = auto._tune
-    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
-    assert len(calls) == 3  # grad_input and grad_weight separately, then both: split or one fused call
+    assert len(tunings) == 3  # grad_input and grad_weight separately, then both: split or one fused call
     for gradient in ("grad_input", "grad_weight"):
         choice = auto.chosen(case.spec(), gradient, t["grad_output"])
         assert choice is not None and choice.backend in auto.CANDIDATES and not choice.rejected
@@ -69,7 +77,7 @@ def test_tuning_chooses_once_per_gradient_and_matches_autograd(tune: None, case:
         case.spec(), "grad_weight", t["grad_output"]).backend  # type: ignore[union-attr]
     assert set(both.times) == {*(n for n in auto.CANDIDATES if n in cg.backends()), *(["split"] if split else [])}
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
-    assert len(calls) == 3  # remembered
+    assert len(tunings) == 3  # remembered
     assert auto.chosen(case.spec(), "grad_input", t["grad_output"].float()) is None  # per dtype
 
 
@@ -132,17 +140,14 @@ def test_for_both_gradients_the_backend_that_won_each_is_the_incumbent(ratios: d
 
 
 @pytest.mark.parametrize(("gi", "gw", "incumbent"), [("fwdconv", "fwdconv", "fwdconv"), ("gemm", "fwdconv", "native")])
-def test_both_gradients_are_tuned_with_the_common_winner_as_incumbent(tune: None, gi: str, gw: str, incumbent: str,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[str] = []
-    real = auto._tune
-    monkeypatch.setattr(auto, "_tune", lambda *a: seen.append(a[3]) or real(*a))
+def test_both_gradients_are_tuned_with_the_common_winner_as_incumbent(tune: None, tunings: Tunings, gi: str, gw: str,
+                                                                     incumbent: str) -> None:
     case = CASES[0]
     t = make_tensors(case)
     for gradient, backend in (("grad_input", gi), ("grad_weight", gw)):  # as if tuned already
         auto._choices[auto._key(case.spec(), gradient, t["grad_output"])] = auto.Choice(backend, {backend: 1.0})
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
-    assert seen == [incumbent]
+    assert [a[3] for a in tunings] == [incumbent]
 
 
 def test_each_timed_call_follows_a_warm_up_call_of_the_same_option() -> None:
@@ -175,11 +180,9 @@ def _slower_than_tuned(key: Any, factor: float) -> None:
     auto._choices[key] = dataclasses.replace(choice, times={n: t / factor for n, t in choice.times.items()})
 
 
-def test_a_choice_that_slows_down_is_tuned_again_at_most_twice(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_choice_that_slows_down_is_tuned_again_at_most_twice(tune: None, tunings: Tunings,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(auto, "_DRIFT_MIN_S", 0.0)  # watch this tiny layer too
-    calls: list[int] = []
-    real = auto._tune
-    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
     case = CASES[0]
     t = make_tensors(case)
 
@@ -192,37 +195,32 @@ def test_a_choice_that_slows_down_is_tuned_again_at_most_twice(tune: None, monke
         _slower_than_tuned(key, 1e6)
         for _ in range(auto._DRIFT_CALLS):
             torch.testing.assert_close(grad_input(), ref)
-        assert len(calls) == before
+        assert len(tunings) == before
         torch.testing.assert_close(grad_input(), ref)
-        assert len(calls) == after
+        assert len(tunings) == after
 
 
-def test_a_choice_that_keeps_its_speed_is_not_tuned_again(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_choice_that_keeps_its_speed_is_not_tuned_again(tune: None, tunings: Tunings,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(auto, "_DRIFT_MIN_S", 0.0)
-    calls: list[int] = []
-    real = auto._tune
-    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
     case = CASES[2]
     t = make_tensors(case)
     _grads(case, t)
-    assert len(calls) == 3
+    assert len(tunings) == 3
     for gradient in ("grad_input", "grad_weight", "both"):
         _slower_than_tuned(auto._key(case.spec(), gradient, t["grad_output"]), 1e-6)  # tuned 1e6 times slower
     for _ in range(2 * auto._DRIFT_CALLS):
         assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
-    assert len(calls) == 3
+    assert len(tunings) == 3
 
 
-def test_batches_up_to_the_next_power_of_two_share_one_tuning(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batches_up_to_the_next_power_of_two_share_one_tuning(tune: None, tunings: Tunings) -> None:
     assert [auto.batch_bucket(n) for n in (0, 1, 2, 3, 4, 5, 300, 512, 513)] == [0, 1, 2, 4, 4, 8, 512, 512, 1024]
-    calls: list[int] = []
-    real = auto._tune
-    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
     for batch in (3, 4, 3, 5):  # Poisson-sampled batches: 3 and 4 share the bucket 4; 5 is in the bucket 8
         case = Case((batch, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name=f"n{batch}")
         t = make_tensors(case)
         assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
-    assert len(calls) == 6  # grad_input, grad_weight and both, for the buckets 4 and 8
+    assert len(tunings) == 6  # grad_input, grad_weight and both, for the buckets 4 and 8
 
 
 def test_no_tuning_under_batched_grads(tune: None) -> None:
@@ -260,7 +258,7 @@ def test_winners_persist_to_the_cache_file_and_load_back(tune: None, tmp_path: A
 
 
 @pytest.mark.parametrize("field", ["batch", "times", "rejected"])
-def test_a_malformed_cache_entry_is_ignored_and_tuned_again(tune: None, tmp_path: Any, field: str,
+def test_a_malformed_cache_entry_is_ignored_and_tuned_again(tune: None, tunings: Tunings, tmp_path: Any, field: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "autotune.json"
     monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", str(path))
@@ -272,11 +270,9 @@ def test_a_malformed_cache_entry_is_ignored_and_tuned_again(tune: None, tmp_path
         entry[field] = None
     path.write_text(json.dumps(data))
     auto.clear()
-    calls: list[int] = []
-    real = auto._tune
-    monkeypatch.setattr(auto, "_tune", lambda *a: calls.append(1) or real(*a))
+    tunings.clear()  # count from here
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
-    assert len(calls) == 3
+    assert len(tunings) == 3
 
 
 @pytest.mark.parametrize(("value", "expected"), [("", None), ("0", None), ("off", None), ("1", "default"),
