@@ -118,6 +118,7 @@ ONE_SIDE_BATCHED = [  # (input shape, weight shape, stride, groups): depthwise t
     ((2, 4, 9, 9), (4, 1, 3, 3), 2, 4),
     ((2, 4, 9, 8), (6, 2, 3, 2), 2, 2),
     ((2, 3, 11), (4, 3, 4), 3, 1),
+    ((2, 4, 5, 6, 7), (6, 2, 2, 3, 3), 2, 2),  # 3d, 1 < groups < C_in, even kernel, rows left unread
 ]
 
 
