@@ -19,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import convgrad
 from convgrad import cli
-from convgrad._native_choice import known_profiler_ops
-from convgrad._recipe_plot import padded_x_strip, zero_inserted_strip
 from convgrad.backends import fwdconv
 from convgrad.cli import parse_padding
+from convgrad.explain.native import known_profiler_ops
+from convgrad.explain.picture import padded_x_strip, zero_inserted_strip
 from helpers import Case, grid_cases
 
 GRID = grid_cases()

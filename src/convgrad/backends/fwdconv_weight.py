@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from convgrad.backends.fwdconv import BatchIntoChannels, Conv, Pad, Step, SwapBatchChannels, _pad_or_fold
+from convgrad.backends.fwdconv_plan import BatchIntoChannels, Conv, Pad, Step, SwapBatchChannels, pad_or_fold
 from convgrad.backends.fwdconv_steps import (
     BatchIntoGroups,
     Contraction,
@@ -97,7 +97,7 @@ def _x_pads(spec: ConvSpec) -> tuple[tuple[Step, ...], Shape, Shape, tuple[Pair,
     crops = tuple((min(lo, 0), min(hi, 0)) for lo, hi in pads)
     size = tuple(i + lo + hi for i, (lo, hi) in zip(spec.x_size, crops))
     if any(e % d for e, d in zip(extra, spec.dilation)) or any(n < 1 for n in size):  # or the crop empties x
-        steps, conv_pad, padded = _pad_or_fold(pads, (*shape, *spec.x_size), (*shape, *spec.x_read_size))
+        steps, conv_pad, padded = pad_or_fold(pads, (*shape, *spec.x_size), (*shape, *spec.x_read_size))
         return tuple(steps), padded, conv_pad, ((0, 0),) * spec.n
     out = tuple((n + 2 * g - s * (o - 1) - 1) // d + 1
                 for n, g, s, o, d in zip(size, grow, spec.stride, spec.y_size, spec.dilation))

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from convgrad._ops import pad, sliced
-from convgrad.backends.fwdconv import Conv, _pad_or_fold
+from convgrad.backends.fwdconv_plan import Conv, pad_or_fold
 from convgrad.spec import ConvSpec
 
 __all__ = [
@@ -130,7 +130,7 @@ def _conv(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The fwdconv weight-gradient plan with the batch folded into the groups instead of summed."""
     n, g, cxg = spec.batch, spec.groups, spec.x_channels // spec.groups
     x_shape = (n, spec.x_channels)
-    pad_steps, conv_pad, padded = _pad_or_fold(spec.x_read_pads, (*x_shape, *spec.x_size),
+    pad_steps, conv_pad, padded = pad_or_fold(spec.x_read_pads, (*x_shape, *spec.x_size),
                                                (*x_shape, *spec.x_read_size))
     conv = Conv(spec.dilation, conv_pad, spec.stride, n * g, (cxg, n * spec.y_channels, *spec.kernel_size))
     for step in pad_steps:

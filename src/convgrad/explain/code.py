@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from convgrad.spec import ConvSpec
 
 if TYPE_CHECKING:
-    from convgrad.explain import Recipe
+    from convgrad.explain.recipe import Recipe
 
 Shape = tuple[int, ...]
 
@@ -90,7 +90,7 @@ def step_code(step: Any, v: str, shape: Shape) -> list[str]:
     template = TEMPLATES.get(type(step).__name__)
     if template is None:
         raise NotImplementedError(f"Recipe.to_python: no code template for plan step kind {type(step).__name__!r} "
-                                  f"({step.describe()}); add one to convgrad._recipe_code.TEMPLATES or give the "
+                                  f"({step.describe()}); add one to convgrad.explain.code.TEMPLATES or give the "
                                   f"step a code(var, shape) method")
     return template(step, v, shape)
 

@@ -14,14 +14,12 @@ new kind of step in the backend shows up here without changes.
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from convgrad._native_choice import NativeChoice, native_backend
 from convgrad.backends import fwdconv
+from convgrad.explain.native import NativeChoice, native_backend
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
 if TYPE_CHECKING:
@@ -186,7 +184,7 @@ class Recipe:
             >>> exec(compile(src, "recipe.py", "exec"), {"__name__": "__main__"})
             recipe matches torch autograd: grad_input, grad_weight, grad_bias
         """
-        from convgrad._recipe_code import script
+        from convgrad.explain.code import script
 
         return script(self)
 
@@ -210,7 +208,7 @@ class Recipe:
             >>> len(fig.axes) >= 2
             True
         """
-        from convgrad._recipe_plot import plot
+        from convgrad.explain.picture import plot
 
         return plot(self, path)
 
@@ -255,14 +253,3 @@ def explain(
     spec = ConvSpec.from_shapes(input_size, weight_size, stride, padding, dilation, transposed, output_padding,
                                 groups, fn="explain")
     return Recipe(spec, fwdconv.plan_input_grad(spec), fwdconv.plan_weight_grad(spec))
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this module binds it to ``convgrad.explain``, shadowing the lazily exported function of the
-    same name; calling the module calls the function, so ``convgrad.explain(...)`` works in any import order."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Recipe:
-        return explain(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

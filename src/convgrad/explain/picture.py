@@ -23,7 +23,7 @@ from matplotlib.patches import Patch, Rectangle
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from convgrad.explain import Recipe
+    from convgrad.explain.recipe import Recipe
     from convgrad.spec import ConvSpec
 
 # Zero-inserted view: a cell's category is the max over dims (cropped > padding > inserted zero > entry).

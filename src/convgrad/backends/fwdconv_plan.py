@@ -1,0 +1,188 @@
+"""The fwdconv plan: the plain steps a gradient is made of, the Plan that lists them, and ``execute``.
+
+The plan builders (fwdconv.py for grad of x and y, fwdconv_weight.py for grad of w) and ``convgrad.explain``
+all import the steps from here, so no builder imports another. Each step is a differentiable torch op
+with a ``shape`` (the tensor's shape after it) and a ``describe()``; the faster steps (matmuls, phases,
+taps) live in fwdconv_steps.py and fwdconv_phases.py and follow the same protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from convgrad._ops import CONV, pad
+from convgrad.backends.fwdconv_steps import Contraction
+from convgrad.spec import ConvSpec, Pair
+
+__all__ = ["BatchIntoChannels", "Conv", "Flip", "Pad", "Plan", "Step", "SwapBatchChannels", "SwapGroupChannels",
+           "ZeroInsert", "execute", "pad_or_fold"]
+
+Shape = tuple[int, ...]
+
+
+class Step(Protocol):
+    """One plain tensor operation of a plan: applied by calling it, described by describe()."""
+
+    shape: Shape  # the tensor's shape after this step
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ZeroInsert:
+    """Insert stride-1 zeros between neighbouring entries of every spatial dim."""
+
+    stride: Shape
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        n_, c, *o = t.shape
+        t = t.reshape(n_, c, *(v for oj in o for v in (oj, 1)))  # (N, C, o1, 1, o2, 1, ...)
+        t = pad(t, [p for s in self.stride for p in ((0, 0), (0, s - 1))])  # (N, C, o1, s1, o2, s2, ...)
+        t = t.reshape(n_, c, *(oj * s for oj, s in zip(o, self.stride)))  # (N, C, o1*s1, ...)
+        return pad(t, [(0, 1 - s) for s in self.stride])  # (N, C, (o1-1)s1+1, ...)
+
+    def describe(self) -> str:
+        return f"zero-insert by stride {self.stride} (stride-1 zeros between entries)"
+
+
+@dataclass(frozen=True)
+class Pad:
+    """Pad (lo, hi) zeros per spatial dim; a negative amount crops."""
+
+    pads: tuple[Pair, ...]
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return pad(t, self.pads)
+
+    def describe(self) -> str:
+        return f"pad (lo, hi) = {self.pads} per spatial dim (negative = crop)"
+
+
+@dataclass(frozen=True)
+class Flip:
+    """Flip the kernel in every spatial dim."""
+
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.flip(list(range(2, t.dim())))
+
+    def describe(self) -> str:
+        return "flip the kernel in every spatial dim"
+
+
+@dataclass(frozen=True)
+class SwapGroupChannels:
+    """(C_y, C_x/g, *k) -> (C_x, C_y/g, *k): swap in and out channels inside each group."""
+
+    groups: int
+    shape: Shape
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        c_y, cxg, *k = w.shape
+        w = w.reshape(self.groups, c_y // self.groups, cxg, *k)  # (g, C_y/g, C_x/g, *k)
+        return w.transpose(1, 2).reshape(self.shape)  # (C_x, C_y/g, *k)
+
+    def describe(self) -> str:
+        return f"swap in/out channels within each of the {self.groups} group(s)"
+
+
+@dataclass(frozen=True)
+class BatchIntoChannels:
+    """(N, C_x, *i) -> (C_x/g, g*N, *i): samples become channels, grouped by conv group."""
+
+    groups: int
+    shape: Shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n_, c_x, *i = x.shape
+        x = x.reshape(n_, self.groups, c_x // self.groups, *i)  # (N, g, C_x/g, *i)
+        x = x.permute(2, 1, 0, *range(3, x.dim()))  # (C_x/g, g, N, *i)
+        return x.reshape(c_x // self.groups, self.groups * n_, *i)  # (C_x/g, g*N, *i)
+
+    def describe(self) -> str:
+        return f"fold the batch into the channels, group-major ({self.groups} group(s))"
+
+
+@dataclass(frozen=True)
+class SwapBatchChannels:
+    """(A, B, *s) -> (B, A, *s)."""
+
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1)
+
+    def describe(self) -> str:
+        return "swap the first two dims (batch <-> channels)"
+
+
+@dataclass(frozen=True)
+class Conv:
+    """A forward convolution, data * kernel, with explicit stride, padding, dilation and groups."""
+
+    stride: Shape
+    padding: Shape
+    dilation: Shape
+    groups: int
+    shape: Shape
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        return CONV[len(self.stride)](data, kernel, None, self.stride, self.padding, self.dilation, self.groups)
+
+    def describe(self) -> str:
+        return (f"conv{len(self.stride)}d stride={self.stride} padding={self.padding} "
+                f"dilation={self.dilation} groups={self.groups}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The steps that compute one gradient: data path, kernel path, one conv, then post steps.
+
+    ``conv`` is None when the gradient is an empty sum (batch 0): the result is zeros. It may also be
+    a MatMul or PhaseConvs (fwdconv_steps.py). ``method`` names the formulation and ``reason`` says
+    why the plan builder chose it.
+    """
+
+    gradient: str
+    spec: ConvSpec
+    data: str
+    kernel: str
+    data_steps: tuple[Step, ...]
+    kernel_steps: tuple[Step, ...]
+    conv: Contraction | None
+    post_steps: tuple[Step, ...]
+    shape: Shape
+    method: str = "direct"
+    reason: str = ""
+
+
+def execute(plan: Plan, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """Run a plan on tensors; every op is differentiable."""
+    if plan.conv is None:
+        return data.new_zeros(plan.shape)
+    for step in plan.data_steps:
+        data = step(data)
+    for step in plan.kernel_steps:
+        kernel = step(kernel)
+    out = plan.conv(data, kernel)
+    for step in plan.post_steps:
+        out = step(out)
+    return out
+
+
+def pad_or_fold(pads: tuple[Pair, ...], before: Shape, after: Shape) -> tuple[list[Step], Shape, Shape]:
+    """A symmetric, non-negative pad folds into the conv's own padding; anything else is a step.
+
+    Returns the steps, the conv's padding and the shape the data has when it reaches the conv.
+    """
+    if all(lo == hi and lo >= 0 for lo, hi in pads):
+        return [], tuple(lo for lo, _ in pads), before
+    return [Pad(pads, after)], (0,) * len(pads), after
