@@ -23,7 +23,7 @@ A busy machine makes 2-thread wall times meaningless, for gemm above all: every 
 parallel region then waits for a time slice, and gemm runs some hundred regions per
 backward (chunks x taps) where native runs a few.
 
-The suite reuses the layers of convgrad.bench.layers (the speed work's suite) when that
+The suite reuses the layers of convgrad.cli.bench.layers (the speed work's suite) when that
 module exists, otherwise the same shapes defined here. Results go to
 benchmarks/results/backends.{json,md}.
 """
@@ -72,7 +72,7 @@ def suite(quick: bool) -> dict[str, tuple[str, ConvSpec]]:
     if quick:
         return {n: (k, ConvSpec.from_shapes(i, w, **kw)) for n, (k, i, w, kw) in QUICK.items()}
     try:
-        from convgrad.bench.layers import SUITES
+        from convgrad.cli.bench.layers import SUITES
     except ImportError:
         return {n: (k, ConvSpec.from_shapes(i, w, **kw)) for n, (k, i, w, kw) in FALLBACK.items()}
     named = {layer.name: layer for layer in SUITES["default"]}

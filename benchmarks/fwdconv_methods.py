@@ -23,8 +23,8 @@ from torch.utils import benchmark
 
 from convgrad.backends import get_backend
 from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS, execute, plan_input_grad, plan_weight_grad
-from convgrad.bench import keep_malloc
-from convgrad.bench.layers import SUITES, Layer
+from convgrad.cli.bench import keep_malloc
+from convgrad.cli.bench.layers import SUITES, Layer
 from convgrad.spec import ConvSpec
 
 

@@ -1,4 +1,4 @@
-"""The benchmark suites of real layers; they live in the package (convgrad.bench.layers) so `convgrad bench` has them.
+"""The benchmark suites of real layers, from the package (convgrad.cli.bench.layers) that `convgrad bench` runs.
 
 Run ``python benchmarks/layers.py`` to print every suite: layer, network, configuration, GFLOP per gradient.
 Time them with ``convgrad bench --suite default`` (see ``convgrad bench --help``).
@@ -6,7 +6,7 @@ Time them with ``convgrad bench --suite default`` (see ``convgrad bench --help``
 
 from __future__ import annotations
 
-from convgrad.bench.layers import SUITES, Layer, select
+from convgrad.cli.bench.layers import SUITES, Layer, select
 
 __all__ = ["SUITES", "Layer", "select"]
 

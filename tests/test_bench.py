@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from convgrad import cli
-from convgrad.bench import layers, report, timing
+from convgrad.cli.bench import layers, report, timing
 
 REQUIRED = {  # issue 4: layer name -> network
     "resnet50.stem7x7s2": "ResNet-50", "resnet50.3x3@56": "ResNet-50", "resnet50.3x3@28": "ResNet-50",

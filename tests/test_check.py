@@ -11,8 +11,8 @@ import torch
 import convgrad as cg
 from convgrad import backends as registry
 from convgrad.backends import Backend
-from convgrad.check import GRADIENTS, check_config, check_model, check_random
 from convgrad.cli import main
+from convgrad.cli.check import GRADIENTS, check_config, check_model, check_random
 from convgrad.spec import ConvSpec
 from helpers import TOL, Case, make_tensors, reference_grads
 
@@ -66,7 +66,7 @@ def test_check_config_skips_what_a_backend_refuses_by_design(device: torch.devic
 
 def test_reference_agrees_with_the_test_suite_reference() -> None:
     """check.py's reference and tests/helpers.py's are two codings of one thing: they must agree."""
-    from convgrad.check import reference_grads as check_reference
+    from convgrad.cli.check import reference_grads as check_reference
 
     case = Case((2, 3, 8, 7), (4, 3, 3, 2), stride=(2, 3), padding=((0, 2), (1, 0)), dilation=(1, 2))
     t = make_tensors(case, bias=True)

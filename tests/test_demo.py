@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import convgrad.backends as backends
-from convgrad._demo_train import EXERCISES
 from convgrad.backends.native import NativeBackend
 from convgrad.cli import main
-from convgrad.demo import THRESHOLD
+from convgrad.cli._demo_train import EXERCISES
+from convgrad.cli.demo import THRESHOLD
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:

@@ -6,7 +6,7 @@ layers marked ``float64`` form the float64 subset. ``SUITES["smoke"]`` holds tin
 few of them for tests. ``benchmarks/layers.py`` prints the suites.
 
 Example:
-    >>> from convgrad.bench.layers import SUITES
+    >>> from convgrad.cli.bench.layers import SUITES
     >>> layer = SUITES["default"][0]
     >>> layer.name, layer.network, layer.spec().output_shape
     ('resnet50.stem7x7s2', 'ResNet-50', (8, 64, 112, 112))

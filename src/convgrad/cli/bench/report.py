@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from convgrad.bench.timing import TASKS, LayerTiming
+from convgrad.cli.bench.timing import TASKS, LayerTiming
 
 __all__ = ["best_single", "geomean", "rows", "summary", "targets", "to_json", "to_markdown", "write_plots"]
 

@@ -1,10 +1,10 @@
 """`convgrad bench`: time every backend against native on a suite of real layers.
 
-For each layer of the suite (:mod:`convgrad.bench.layers`) and each dtype, grad_input,
+For each layer of the suite (:mod:`convgrad.cli.bench.layers`) and each dtype, grad_input,
 grad_weight and both together are timed for every backend, with native always included and
-interleaved in the same rounds, next to a matmul of equal FLOPs (:mod:`convgrad.bench.timing`).
+interleaved in the same rounds, next to a matmul of equal FLOPs (:mod:`convgrad.cli.bench.timing`).
 The command prints rich tables and writes ``results.json``, ``results.md`` and one
-``ratios_<dtype>.png`` per dtype into ``--out`` (:mod:`convgrad.bench.report`). The CPU model,
+``ratios_<dtype>.png`` per dtype into ``--out`` (:mod:`convgrad.cli.bench.report`). The CPU model,
 core and thread counts (or the GPU) are recorded with every result. On CUDA, native is cuDNN and
 TF32 is switched off, so float32 means float32.
 
@@ -137,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from convgrad.bench import report
-    from convgrad.bench.layers import select
-    from convgrad.bench.timing import time_layer
+    from convgrad.cli.bench import report
+    from convgrad.cli.bench.layers import select
+    from convgrad.cli.bench.timing import time_layer
 
     backends = _check(args)
     device = _device(args.device)
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
 def _print(console: Any, results: list[Any], meta: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from convgrad.bench import report
+    from convgrad.cli.bench import report
 
     console.print(f"{meta['device_model']} ({meta['device']}), {meta['cores']} cores, {meta['threads']} threads, "
                   f"torch {meta['torch']}, auto mode {meta['auto_mode']}")

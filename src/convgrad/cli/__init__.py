@@ -15,10 +15,10 @@ from typing import Any
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("convgrad.demo", "train a small CNN on real digits with convgrad's backward, twin-checked"),
-    "check": ("convgrad.check", "verify every backend's gradients for a configuration or a model"),
-    "bench": ("convgrad.bench", "time every backend against native on a suite of real layers"),
-    "explain": ("convgrad.explain_cli", "show how a backward is built and which native kernel runs"),
+    "demo": ("convgrad.cli.demo", "train a small CNN on real digits with convgrad's backward, twin-checked"),
+    "check": ("convgrad.cli.check", "verify every backend's gradients for a configuration or a model"),
+    "bench": ("convgrad.cli.bench", "time every backend against native on a suite of real layers"),
+    "explain": ("convgrad.cli.explain", "show how a backward is built and which native kernel runs"),
 }
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.utils import benchmark
 
 from convgrad.backends import get_backend
-from convgrad.bench.layers import Layer
+from convgrad.cli.bench.layers import Layer
 
 __all__ = ["TASKS", "LayerTiming", "Sample", "time_layer"]
 

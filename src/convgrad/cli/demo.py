@@ -8,7 +8,7 @@ each conv layer are compared at identical weights: the largest norm-wise relativ
 difference ``||g - g_ref|| / ||g_ref||`` over all steps, of the weight gradient and of the
 whole layer's (weight and bias), must stay below 1e-4 (float32).
 
-The training loop lives in :mod:`convgrad._demo_train`; this module is the command:
+The training loop lives in :mod:`convgrad.cli._demo_train`; this module is the command:
 arguments, progress bar, report, plot and JSON summary.
 """
 
@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from convgrad._demo_train import train
     from convgrad.backends import get_backend
+    from convgrad.cli._demo_train import train
 
     get_backend(args.backend, "convgrad demo")
     for name in ("epochs", "threads"):
