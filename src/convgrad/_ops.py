@@ -63,7 +63,7 @@ def batched_like(buffer: torch.Tensor, kernel: torch.Tensor | None) -> torch.Ten
 
 
 def add_product_(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fused: bool) -> None:
-    """target += a * b in place (broadcasting): one ``addcmul_`` when ``fused`` (plain tensors, see :func:`plain`),
+    """target += a * b in place (broadcasting): one ``addcmul_`` when ``fused`` (plain tensors, see ``plain``),
     else ``add_`` of the product, because functorch has no batching rule for ``addcmul_`` and would fall back to a
     slow per-sample loop with a warning."""
     if fused:

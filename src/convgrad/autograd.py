@@ -42,7 +42,7 @@ def no_weight_gradients() -> Iterator[None]:
     Like NVIDIA's conv2d_gradfix: inside the scope, weights receive no gradient from
     convgrad convolutions, so only grad_input (and grad_bias) is computed.
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> x = torch.randn(1, 2, 5, 5, requires_grad=True)
         >>> w = torch.randn(3, 2, 3, 3, requires_grad=True)
@@ -104,9 +104,9 @@ class _ConvCore(torch.autograd.Function):
 class ConvFunction(_ConvCore):
     """conv / conv_transpose (per ``spec.transposed``) with a native forward and an explicit backward.
 
-    ``apply(input, weight, bias, spec, backend)`` with batched tensors and a :class:`ConvSpec`.
+    ``apply(input, weight, bias, spec, backend)`` with batched tensors and a [`ConvSpec`][convgrad.autograd.ConvSpec].
     torch.func.vmap uses the generated rule; forward-mode AD (torch.func.jvp) uses the bilinearity
-    of the convolution. Under torch.compile, :func:`conv` applies the jvp-free parent instead.
+    of the convolution. Under torch.compile, [`conv`][convgrad.autograd.conv] applies the jvp-free parent instead.
     """
 
     @staticmethod
@@ -180,11 +180,11 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         ``(N, C_out, *out)`` with ``out = floor((i + p_lo + p_hi - d(k-1) - 1)/s) + 1`` per dim.
 
     Raises:
-        TypeError, ValueError: as :func:`convgrad.conv_backward`.
+        TypeError, ValueError: as [`convgrad.conv_backward`][convgrad.functional.conv_backward].
 
     Source: docs/derivation.md; higher derivatives come from autograd through the backward.
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> x = torch.randn(2, 4, 9, 9, dtype=torch.float64, requires_grad=True)
         >>> w = torch.randn(6, 2, 3, 3, dtype=torch.float64, requires_grad=True)
@@ -216,11 +216,11 @@ def conv_transpose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         ``(N, C_out, *out)`` with ``out = (i-1)s - p_lo - p_hi + d(k-1) + output_padding + 1`` per dim.
 
     Raises:
-        TypeError, ValueError: as :func:`convgrad.conv_backward`.
+        TypeError, ValueError: as [`convgrad.conv_backward`][convgrad.functional.conv_backward].
 
     Source: docs/derivation.md, "transposed convolutions".
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> x, w = torch.randn(1, 4, 5, 5), torch.randn(4, 3, 3, 3)
         >>> cg.conv_transpose(x, w, stride=2, padding=1, output_padding=1).shape
@@ -253,8 +253,8 @@ def _fixed_rank(n: int, transposed: bool) -> Any:
 
     f.__name__ = f.__qualname__ = name
     base = "conv_transpose" if transposed else "conv"
-    f.__doc__ = (f"torch.nn.functional.{name} with backend=; see :func:`convgrad.{base}` for shapes, errors and "
-                 f"the source.")
+    f.__doc__ = (f"torch.nn.functional.{name} with backend=; see [`convgrad.{base}`][convgrad.autograd.{base}] "
+                 f"for shapes, errors and the source.")
     return f
 
 

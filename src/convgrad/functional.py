@@ -1,6 +1,6 @@
 """The explicit convolution gradients: conv_backward and the torch.nn.grad-compatible helpers.
 
-Each function validates its arguments into a :class:`~convgrad.spec.ConvSpec`,
+Each function validates its arguments into a [`ConvSpec`][convgrad.spec.ConvSpec],
 checks the tensors against it (dtype, device, shapes) and hands both to a
 backend. Every result is built from differentiable ops (except backend="numpy"),
 so gradients of any order follow from autograd. The derivations are in
@@ -127,7 +127,7 @@ def conv_backward(
 
     Source: docs/derivation.md (grad_input is a transposed convolution, grad_weight a correlation).
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> x, w = torch.randn(2, 4, 9, 9), torch.randn(6, 2, 3, 3)
         >>> gy = torch.randn(2, 6, 4, 4)
@@ -155,19 +155,20 @@ def conv_input_grad(input_size: Sequence[int], weight: torch.Tensor, grad_output
         input_size: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; the shape of the conv's input.
         weight: ``(C_out, C_in/groups, *k)``; floating dtype.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as weight.
-        stride, padding, dilation, groups: as in :func:`conv_backward` (defaults 1, 0, 1, 1).
+        stride, padding, dilation, groups: as in [`conv_backward`][convgrad.functional.conv_backward]
+            (defaults 1, 0, 1, 1).
         backend: one of ``convgrad.backends()`` (default ``"auto"``).
 
     Returns:
         grad_input of shape ``input_size``.
 
     Raises:
-        TypeError, ValueError: as :func:`conv_backward`.
+        TypeError, ValueError: as [`conv_backward`][convgrad.functional.conv_backward].
 
     Source: docs/derivation.md, "grad_input": zero-insert by s, pad by (d(k-1)-p_lo, d(k-1)-p_hi+r),
     convolve with the flipped, channel-swapped kernel.
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> w, gy = torch.randn(4, 3, 3, 3), torch.randn(1, 4, 2, 2)
         >>> cg.conv_input_grad((1, 3, 6, 6), w, gy, stride=2).shape   # r = 1: the last row is never read
@@ -191,19 +192,20 @@ def conv_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad_outpu
         input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; floating dtype.
         weight_size: ``(C_out, C_in/groups, *k)``.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as input.
-        stride, padding, dilation, groups: as in :func:`conv_backward` (defaults 1, 0, 1, 1).
+        stride, padding, dilation, groups: as in [`conv_backward`][convgrad.functional.conv_backward]
+            (defaults 1, 0, 1, 1).
         backend: one of ``convgrad.backends()`` (default ``"auto"``).
 
     Returns:
         grad_weight of shape ``weight_size``.
 
     Raises:
-        TypeError, ValueError: as :func:`conv_backward`.
+        TypeError, ValueError: as [`conv_backward`][convgrad.functional.conv_backward].
 
     Source: docs/derivation.md, "grad_weight": the padded input convolved with grad_output as the
     kernel, batch and channels swapped, stride and dilation swapped.
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> x, gy = torch.randn(2, 8, 7, 7), torch.randn(2, 12, 7, 7)
         >>> cg.conv_weight_grad(x, (12, 2, 3, 3), gy, padding=1, groups=4).shape
@@ -235,11 +237,11 @@ def conv_transpose_input_grad(input_size: Sequence[int], weight: torch.Tensor, g
         grad_input of shape ``input_size``.
 
     Raises:
-        TypeError, ValueError: as :func:`conv_backward`.
+        TypeError, ValueError: as [`conv_backward`][convgrad.functional.conv_backward].
 
     Source: docs/derivation.md, "transposed convolutions".
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> w, gy = torch.randn(4, 3, 4, 4), torch.randn(1, 3, 10, 10)
         >>> cg.conv_transpose_input_grad((1, 4, 4, 4), w, gy, stride=2, padding=0).shape
@@ -263,18 +265,19 @@ def conv_transpose_weight_grad(input: torch.Tensor, weight_size: Sequence[int], 
         input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; floating dtype.
         weight_size: ``(C_in, C_out/groups, *k)``.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as input.
-        stride, padding, output_padding, groups, dilation: as :func:`conv_transpose_input_grad`.
+        stride, padding, output_padding, groups, dilation: as
+            [`conv_transpose_input_grad`][convgrad.functional.conv_transpose_input_grad].
         backend: one of ``convgrad.backends()`` (default ``"auto"``).
 
     Returns:
         grad_weight of shape ``weight_size``.
 
     Raises:
-        TypeError, ValueError: as :func:`conv_backward`.
+        TypeError, ValueError: as [`conv_backward`][convgrad.functional.conv_backward].
 
     Source: docs/derivation.md, "transposed convolutions".
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> x, gy = torch.randn(2, 4, 5, 5), torch.randn(2, 6, 11, 11)
         >>> cg.conv_transpose_weight_grad(x, (4, 3, 3, 3), gy, stride=2, groups=2).shape
@@ -304,7 +307,7 @@ def conv_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
 
     Source: docs/derivation.md, "grad_bias".
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> cg.conv_bias_grad(torch.ones(2, 3, 4, 5))
         tensor([40., 40., 40.])
@@ -337,7 +340,8 @@ def _make_nn_grad(n: int) -> tuple[Any, Any]:
     for f, kind, what in ((input_fn, "input", "grad_input"), (weight_fn, "weight", "grad_weight")):
         f.__name__ = f.__qualname__ = f"conv{n}d_{kind}"
         f.__doc__ = (f"{what} of a {n}d convolution; torch.nn.grad.conv{n}d_{kind}'s signature, backend 'auto'.\n\n"
-                     f"See :func:`convgrad.conv_{kind}_grad` for shapes, dtypes, errors and the source.")
+                     f"See [`convgrad.conv_{kind}_grad`][convgrad.functional.conv_{kind}_grad] "
+                     "for shapes, dtypes, errors and the source.")
     return input_fn, weight_fn
 
 

@@ -1,11 +1,11 @@
 """Drop-in conv modules whose backward runs through a convgrad backend, and patch()/unpatch().
 
 ``convgrad.nn.Conv2d`` *is a* ``torch.nn.Conv2d`` (same constructor, parameters,
-state_dict and repr) plus ``backend=``; its forward calls :func:`convgrad.conv`.
-One mixin, :class:`_ConvgradMixin`, holds all the behaviour; the six public classes
+state_dict and repr) plus ``backend=``; its forward calls [`convgrad.conv`][convgrad.autograd.conv].
+One mixin, ``_ConvgradMixin``, holds all the behaviour; the six public classes
 only combine it with their torch base.
 
-:func:`patch` gives an existing model the same behaviour without rebuilding it: it
+[`patch`][convgrad.nn.patch] gives an existing model the same behaviour without rebuilding it: it
 swaps each conv module's ``__class__`` for a generated subclass that puts the mixin
 right above the torch base, so every Parameter, buffer, hook and optimizer entry
 stays the very same object, a user subclass's own ``forward`` still runs first,
@@ -156,11 +156,12 @@ def _doc(n: int, transposed: bool) -> str:
 
     Raises:
         ValueError, TypeError: torch's constructor errors; an unknown backend; at forward time, the
-            errors of :func:`convgrad.{"conv_transpose" if transposed else "conv"}`.
+            errors of [`convgrad.conv`][convgrad.autograd.conv] (or
+            [`convgrad.conv_transpose`][convgrad.autograd.conv_transpose] for the transposed modules).
 
     Source: docs/derivation.md; torch/nn/modules/conv.py for the constructor and output_size rule.
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
 {example}    """
 
@@ -273,7 +274,7 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
 
     Source: DESIGN.md, "Public API".
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, stride=2), torch.nn.ReLU())
         >>> weight = model[0].weight
@@ -299,7 +300,7 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch`: give every patched module its original class back, in place.
+    """Undo [`patch`][convgrad.nn.patch]: give every patched module its original class back, in place.
 
     Modules built as ``convgrad.nn`` classes are not patches and stay as they are.
 
@@ -311,7 +312,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
     Source: DESIGN.md, "Public API".
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> m = cg.unpatch(cg.patch(torch.nn.ConvTranspose1d(2, 2, 3)))
         >>> type(m), hasattr(m, "backend")

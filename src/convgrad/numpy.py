@@ -10,7 +10,7 @@ Each einsum runs as np.matmul on the stacked (g, ., .) matrices, so BLAS does th
 A forward conv maps x -> y; a transposed conv maps y -> x, so its output is the
 "grad of x" contraction of its input (docs/derivation.md).
 
-Shapes come from :class:`convgrad.spec.ConvSpec`, which imports no torch either, so
+Shapes come from [`convgrad.spec.ConvSpec`][convgrad.spec.ConvSpec], which imports no torch either, so
 this module runs where torch is not installed. The public functions mirror
 torch's names and argument order (DESIGN.md, section 6); ``forward`` and
 ``backward`` take a ready ConvSpec and batched arrays (the "numpy" backend uses them).
@@ -59,7 +59,7 @@ def conv(input: Array, weight: Array, bias: Array | None = None, stride: IntOrTu
     Document Processing" (2006): unfolded into columns, the input makes the convolution one matrix
     product; docs/derivation.md, "Notation: the forward geometry", for the shapes.
 
-    Example:
+    Examples:
         >>> import numpy as np, convgrad.numpy as cgn
         >>> x, w = np.ones((2, 4, 9, 9)), np.ones((6, 2, 3, 3))
         >>> y = cgn.conv(x, w, stride=2, padding=1, groups=2)
@@ -87,12 +87,12 @@ def conv_transpose(input: Array, weight: Array, bias: Array | None = None, strid
         ``(N, C_out, *out)`` (``(C_out, *out)`` if unbatched), ``out = (i-1)s - p_lo - p_hi + d(k-1) + op + 1``.
 
     Raises:
-        TypeError, ValueError: as :func:`conv`.
+        TypeError, ValueError: as [`conv`][convgrad.numpy.conv].
 
     Source: docs/derivation.md, "Transposed convolutions": the adjoint of the forward conv, here
     w^T times the input's matrix folded back (col2im) as in Chellapilla et al. (2006).
 
-    Example:
+    Examples:
         >>> import numpy as np, convgrad.numpy as cgn
         >>> x, w = np.ones((1, 4, 5, 5), np.float32), np.ones((4, 3, 3, 3), np.float32)
         >>> y = cgn.conv_transpose(x, w, stride=2, padding=1, output_padding=1)
@@ -113,21 +113,21 @@ def conv_backward(grad_output: Array, input: Array, weight: Array, bias_sizes: S
         input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``, same dtype.
         weight: ``(C_out, C_in/groups, *k)``, or ``(C_in, C_out/groups, *k)`` when ``transposed``.
         bias_sizes: None or ``[C_out]`` (default None); grad_bias is returned whenever ``output_mask[2]``.
-        stride, padding, dilation, transposed, output_padding, groups: as in :func:`conv` and
-            :func:`conv_transpose` (defaults 1, 0, 1, False, 0, 1).
+        stride, padding, dilation, transposed, output_padding, groups: as in [`conv`][convgrad.numpy.conv] and
+            [`conv_transpose`][convgrad.numpy.conv_transpose] (defaults 1, 0, 1, False, 0, 1).
         output_mask: three bools (default all True); a masked gradient is None and not computed.
 
     Returns:
         ``(grad_input, grad_weight, grad_bias)`` of shapes ``input.shape``, ``weight.shape`` and ``(C_out,)``.
 
     Raises:
-        TypeError, ValueError: as :func:`conv`; also a grad_output whose shape is not the output's.
+        TypeError, ValueError: as [`conv`][convgrad.numpy.conv]; also a grad_output whose shape is not the output's.
 
     Source: docs/derivation.md, "grad_input of a forward convolution", "grad_weight" and "Transposed
     convolutions", in the matrix form of Chellapilla et al. (2006): grad_weight = y x cols^T,
     grad_input = col2im(w^T x y).
 
-    Example:
+    Examples:
         >>> import numpy as np, convgrad.numpy as cgn
         >>> x, w = np.ones((2, 4, 9, 9)), np.ones((6, 2, 3, 3))
         >>> gy = np.ones((2, 6, 4, 4))
@@ -160,7 +160,7 @@ def forward(spec: ConvSpec, input: Array, weight: Array, bias: Array | None = No
     """The convolution that spec describes, on batched arrays already checked against it.
 
     Args:
-        spec: a validated :class:`~convgrad.spec.ConvSpec` (forward or transposed).
+        spec: a validated [`ConvSpec`][convgrad.spec.ConvSpec] (forward or transposed).
         input: ``spec.input_shape``, float32 or float64.
         weight: ``spec.weight_shape``, same dtype.
         bias: ``(C_out,)`` or None (default).
@@ -168,9 +168,10 @@ def forward(spec: ConvSpec, input: Array, weight: Array, bias: Array | None = No
     Returns:
         ``spec.output_shape``, a new contiguous array of the input's dtype.
 
-    Source: as :func:`conv` and :func:`conv_transpose`, which check their arguments and call this.
+    Source: as [`conv`][convgrad.numpy.conv] and [`conv_transpose`][convgrad.numpy.conv_transpose], which check their
+    arguments and call this.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from convgrad.spec import ConvSpec
         >>> spec = ConvSpec.from_shapes((1, 2, 4), (2, 3, 3), stride=2, transposed=True)
@@ -191,7 +192,7 @@ def backward(spec: ConvSpec, grad_output: Array, input: Array | None, weight: Ar
     """grad_input and grad_weight of the convolution that spec describes, on batched arrays.
 
     Args:
-        spec: a validated :class:`~convgrad.spec.ConvSpec` (forward or transposed).
+        spec: a validated [`ConvSpec`][convgrad.spec.ConvSpec] (forward or transposed).
         grad_output: ``spec.output_shape``, float32 or float64.
         input: ``spec.input_shape``, same dtype; only read when ``need_weight``.
         weight: ``spec.weight_shape``, same dtype; only read when ``need_input``.
@@ -201,9 +202,9 @@ def backward(spec: ConvSpec, grad_output: Array, input: Array | None, weight: Ar
         ``(grad_input, grad_weight)`` of shapes ``spec.input_shape`` and ``spec.weight_shape``; None where
         not needed.
 
-    Source: as :func:`conv_backward`, which checks its arguments and calls this.
+    Source: as [`conv_backward`][convgrad.numpy.conv_backward], which checks its arguments and calls this.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from convgrad.spec import ConvSpec
         >>> spec = ConvSpec.from_shapes((2, 4, 6), (6, 2, 3), groups=2)
@@ -246,7 +247,7 @@ def _cols(spec: ConvSpec, x: Array) -> Array:
 
 
 def _fold(spec: ConvSpec, cols: Array, nb: int) -> Array:
-    """col2im, the adjoint of :func:`_cols`: (g, B, N*P) -> x (N, C_x, *i)."""
+    """col2im, the adjoint of ``_cols``: (g, B, N*P) -> x (N, C_x, *i)."""
     g, cg, k = spec.groups, spec.x_channels // spec.groups, spec.kernel_size
     cols = cols.reshape(g, cg, *k, nb, *spec.y_size)  # (g, C_x/g, *k, N, *o)
     xr = np.zeros((g, cg, nb, *spec.x_read_size), dtype=cols.dtype)  # (g, C_x/g, N, *x_read_size)

@@ -40,7 +40,7 @@ class PhaseTaps(NamedTuple):
     Phase rho holds the rows x[rho], x[rho + s], x[rho + 2s], ... (``ConvSpec.phase_rows`` of them).
     They are a stride-1 convolution, dilation ``dilation`` = d/g (g = gcd(s, d)), of y padded by
     ``pads`` with the taps flipped[first], flipped[first + step], ... (``count`` of them, step = s/g)
-    of the kernel flipped in that dim. See :func:`phase_taps` for the derivation.
+    of the kernel flipped in that dim. See ``phase_taps`` for the derivation.
     """
 
     first: int
@@ -94,7 +94,7 @@ def tap_rows(size: int, rows: int, offset: int, reach: int) -> tuple[int, int, i
 
     Source: the polyphase form in docs/derivation.md (fwdconv's ``DepthwiseTaps`` sums the taps this way).
 
-    Example:
+    Examples:
         >>> tap_rows(size=4, rows=4, offset=-1, reach=0)   # padding 1 before: row 0 reads nothing
         (1, 4, 0)
         >>> tap_rows(size=4, rows=4, offset=-1, reach=2)   # tap 1 at dilation 2: the last row reads nothing
@@ -166,7 +166,7 @@ def _shape(fn: str, name: str, shape: Any) -> tuple[int, ...]:
 class ConvSpec:
     """Validated hyperparameters and shapes of one (forward or transposed) convolution.
 
-    Build it with :meth:`ConvSpec.from_shapes`. All sizes are user-facing: ``input``
+    Build it with [`ConvSpec.from_shapes`][convgrad.spec.ConvSpec.from_shapes]. All sizes are user-facing: ``input``
     is what the convolution reads, ``output`` what it produces; for a transposed
     conv these are the small and the big side respectively.
     """

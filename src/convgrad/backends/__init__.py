@@ -1,10 +1,10 @@
 """Registry of the ways to compute a convolution's backward.
 
 A backend is a class with ``input_grad`` and ``weight_grad`` (and optionally a
-fused ``backward``) that receives a validated :class:`~convgrad.spec.ConvSpec`
+fused ``backward``) that receives a validated [`ConvSpec`][convgrad.spec.ConvSpec]
 and batched tensors, never raw user arguments. Adding a backend means adding a
-file here that defines a subclass of :class:`Backend` decorated with
-:func:`register`, and importing it in :func:`_load_builtin`.
+file here that defines a subclass of [`Backend`][convgrad.backends.Backend] decorated with
+[`register`][convgrad.backends.register], and importing it in ``_load_builtin``.
 """
 
 from __future__ import annotations

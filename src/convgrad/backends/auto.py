@@ -25,14 +25,14 @@ times per configuration. A backend's speed can change within a process (on a 2-c
 grad_weight of MobileNetV2's pointwise conv went from 4.6 to 11 ms per call after a few seconds,
 while native stayed at 4.5-5.9 ms), and a choice made once would keep the slow one.
 
-Modes, set by :func:`set_mode` or the ``CONVGRAD_AUTOTUNE`` environment variable (read on first use):
+Modes, set by ``set_mode`` or the ``CONVGRAD_AUTOTUNE`` environment variable (read on first use):
 
 * ``"tune"`` (default): time the candidates on first use, as above. Which candidate wins depends on
   timings, so results may differ between runs in the last bits of floating point.
 * ``"fixed"``: no timing; always ``FIXED_CHOICE`` ("native"), deterministic and bitwise PyTorch's.
 
 Persistence (off by default): ``CONVGRAD_AUTOTUNE_CACHE=1`` keeps the winners in the user cache
-directory, ``CONVGRAD_AUTOTUNE_CACHE=/some/file.json`` in that file (:mod:`convgrad.backends.auto_cache`).
+directory, ``CONVGRAD_AUTOTUNE_CACHE=/some/file.json`` in that file (``convgrad.backends.auto_cache``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def set_mode(mode: str) -> str:
     Raises:
         ValueError: an unknown mode.
 
-    Example:
+    Examples:
         >>> from convgrad.backends import auto
         >>> previous = auto.set_mode("fixed")
         >>> auto.get_mode()
@@ -140,7 +140,7 @@ def batch_bucket(batch: int) -> int:
     Returns:
         The smallest power of two >= ``batch``; 0 for an empty batch.
 
-    Example:
+    Examples:
         >>> from convgrad.backends import auto
         >>> [auto.batch_bucket(n) for n in (0, 1, 3, 4, 300)]
         [0, 1, 4, 4, 512]

@@ -3,7 +3,7 @@
 An option is a callable computing one gradient (or both) with one backend, or "split" (the two
 per-gradient winners one after the other). Options are timed in interleaved rounds, each on its
 second call in a row, and compared by the median over rounds of their time over native's in the
-same round. See :mod:`convgrad.backends.auto` for how the choices are used.
+same round. See ``convgrad.backends.auto`` for how the choices are used.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ of w with the batch folded into the groups, the taps folded into the batch, or t
 folded into channels (fwdconv_weight.py).
 
 Work happens in two steps. ``plan_input_grad(spec)`` / ``plan_weight_grad(spec)``
-turn a ConvSpec into a :class:`Plan`: a short list of plain steps that depends on
+turn a ConvSpec into a ``Plan``: a short list of plain steps that depends on
 shapes only. ``execute(plan, data, kernel)`` runs it on tensors. ``convgrad.explain``
 renders the very same Plan objects, so what is explained is what runs. Every step
 is a differentiable torch op, so gradients of any order come from autograd.

@@ -29,7 +29,7 @@ Two sizes bound a chunk's columns:
 
 * ``max_workspace_bytes`` (default 256 MiB), the user's memory cap. Set it on the
   registered instance, ``convgrad.backends.get_backend("gemm").max_workspace_bytes
-  = 64 * 2**20``, or on :class:`GemmBackend` for every instance. The smallest chunk
+  = 64 * 2**20``, or on ``GemmBackend`` for every instance. The smallest chunk
   is one channel per group of one sample (``g * T * P`` elements); a cap below that
   is exceeded by that much.
 * ``CHUNK_TARGET_BYTES`` (4 MiB), a speed setting: a fresh buffer of more than
@@ -76,7 +76,7 @@ def chunking(spec: ConvSpec, itemsize: int, max_workspace_bytes: int) -> tuple[i
 
     Source: the module docstring ("Workspace and chunks").
 
-    Example:
+    Examples:
         >>> from convgrad.spec import ConvSpec
         >>> spec = ConvSpec.from_shapes((8, 64, 56, 56), (64, 64, 3, 3), padding=1)
         >>> chunking(spec, 4, 256 * 2**20)   # a sample's columns, 64*9*3136*4 B = 6.9 MiB, exceed 4 MiB
@@ -152,7 +152,7 @@ def _y_matrix(spec: ConvSpec, y: torch.Tensor) -> torch.Tensor:
 
 
 def _y_tensor(spec: ConvSpec, ymat: torch.Tensor, nc: int) -> torch.Tensor:
-    """(g, C_y/g, Nc * P) -> y (Nc, C_y, *o); the inverse of :func:`_y_matrix`."""
+    """(g, C_y/g, Nc * P) -> y (Nc, C_y, *o); the inverse of ``_y_matrix``."""
     y = ymat.reshape(spec.y_channels, nc, *spec.y_size)  # (C_y, Nc, *o)
     return y.transpose(0, 1)  # (Nc, C_y, *o)
 
@@ -169,7 +169,7 @@ class GemmBackend(Backend):
         max_workspace_bytes: cap on the columns of one chunk, in bytes (default 256 MiB); set it on
             the registered instance or on the class (module docstring, "Workspace and chunks").
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> backend = cg.backends.get_backend("gemm")
         >>> backend.max_workspace_bytes = 2**20   # 1 MiB of columns at a time

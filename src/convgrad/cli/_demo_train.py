@@ -1,4 +1,4 @@
-"""The demo's network, data and twin-checked training loop (the command itself is :mod:`convgrad.cli.demo`)."""
+"""The demo's network, data and twin-checked training loop (the command itself is ``convgrad.cli.demo``)."""
 
 from __future__ import annotations
 

@@ -104,7 +104,8 @@ def check_config(input_size: Any, weight_size: Any, stride: Any = 1, padding: An
     Args:
         input_size: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``.
         weight_size: ``(C_out, C_in/groups, *k)``, or ``(C_in, C_out/groups, *k)`` when ``transposed``.
-        stride, padding, dilation, transposed, output_padding, groups: as in :func:`convgrad.conv_backward`.
+        stride, padding, dilation, transposed, output_padding, groups: as in
+            [`convgrad.conv_backward`][convgrad.functional.conv_backward].
         dtype: a dtype of TOLERANCE (default float64).
         device: default CUDA when available, else the CPU.
         backends: names to check (default all of ``convgrad.backends()``).
@@ -114,11 +115,12 @@ def check_config(input_size: Any, weight_size: Any, stride: Any = 1, padding: An
         The validated ConvSpec and one Result per (backend, gradient).
 
     Raises:
-        ValueError, TypeError: invalid arguments, as :func:`convgrad.conv_backward` raises them.
+        ValueError, TypeError: invalid arguments, as
+            [`convgrad.conv_backward`][convgrad.functional.conv_backward] raises them.
 
     Source: tests/helpers.py uses the same reference; docs/numerics.md lists the tolerances.
 
-    Example:
+    Examples:
         >>> from convgrad.cli.check import check_config
         >>> spec, results = check_config((2, 4, 9, 9), (6, 2, 3, 3), stride=2, groups=2, backends=["fwdconv"])
         >>> [(r.gradient, r.status) for r in results]
@@ -192,23 +194,23 @@ def random_config(rng: random.Random) -> dict[str, Any]:
 def check_random(count: int, seed: int = 0, dtype: torch.dtype = torch.float64,
                  device: torch.device | str | None = None, backends: list[str] | None = None,
                  progress: Any = None) -> list[tuple[ConvSpec, list[Result]]]:
-    """:func:`check_config` on ``count`` seeded random configurations (:func:`random_config`).
+    """``check_config`` on ``count`` seeded random configurations (``random_config``).
 
     Args:
         count: number of configurations, >= 1.
         seed: seed of the configurations and of their tensors (default 0).
-        dtype, device, backends: as :func:`check_config`.
+        dtype, device, backends: as ``check_config``.
         progress: called as ``progress(i)`` after the i-th configuration (default None).
 
     Returns:
         One ``(spec, results)`` per configuration, in order.
 
     Raises:
-        ValueError: ``count < 1``; TypeError, ValueError: as :func:`check_config`.
+        ValueError: ``count < 1``; TypeError, ValueError: as ``check_config``.
 
     Source: the property tests in tests/test_fuzz.py sample the same space more widely.
 
-    Example:
+    Examples:
         >>> from convgrad.cli.check import check_random
         >>> checked = check_random(3, seed=1, backends=["fwdconv"])
         >>> len(checked), any(r.failed for _, results in checked for r in results)
@@ -248,7 +250,7 @@ def example_model() -> torch.nn.Module:
         ``Sequential`` of a strided conv with a leftover row (r = 1 for odd H, W), a dilated conv, a
         depthwise conv, dropout and a transposed conv; input ``(N, 3, H, W)``.
 
-    Example:
+    Examples:
         >>> from convgrad.cli.check import example_model
         >>> example_model()(torch.randn(2, 3, 16, 16)).shape
         torch.Size([2, 4, 16, 16])
@@ -289,9 +291,9 @@ def check_model(target: str, input_shape: tuple[int, ...], backend: str = "auto"
         ValueError: a malformed target, a module that does not import, a model without convolutions.
         TypeError: the factory does not return a torch.nn.Module.
 
-    Source: :func:`convgrad.patch` (DESIGN.md, "Public API").
+    Source: [`convgrad.patch`][convgrad.nn.patch] (DESIGN.md, "Public API").
 
-    Example:
+    Examples:
         >>> from convgrad.cli.check import check_model
         >>> rows = check_model("convgrad.cli.check:example_model", (2, 3, 16, 16), backend="fwdconv")
         >>> [layer for layer, r in rows if r.gradient == "grad_weight"], all(r.status == "pass" for _, r in rows)

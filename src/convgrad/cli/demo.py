@@ -1,6 +1,6 @@
 """`convgrad demo`: train a small CNN on real handwritten digits with convgrad's backward, twin-checked.
 
-The network (:class:`DigitsNet`) is built from ``convgrad.nn`` modules, so every
+The network (``DigitsNet``) is built from ``convgrad.nn`` modules, so every
 conv's backward runs through the chosen backend (default ``fwdconv``: forward
 convolutions only). A twin built from plain ``torch.nn`` modules receives the
 network's current weights and the same batch at every step, so the gradients of
@@ -8,7 +8,7 @@ each conv layer are compared at identical weights: the largest norm-wise relativ
 difference ``||g - g_ref|| / ||g_ref||`` over all steps, of the weight gradient and of the
 whole layer's (weight and bias), must stay below 1e-4 (float32).
 
-The training loop lives in :mod:`convgrad.cli._demo_train`; this module is the command:
+The training loop lives in ``convgrad.cli._demo_train``; this module is the command:
 arguments, progress bar, report, plot and JSON summary.
 """
 

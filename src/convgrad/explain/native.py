@@ -197,7 +197,7 @@ def native_backend(
 
     Source: ``select_conv_backend`` in aten/src/ATen/native/Convolution.cpp; docs/seeds.md, question 1.
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> cg.native_backend((8, 16, 32, 32), (16, 16, 3, 3), padding=1, dtype=torch.float64).kernel
         '_slow_conv2d_backward'

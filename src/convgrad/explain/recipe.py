@@ -178,7 +178,7 @@ class Recipe:
         Raises:
             NotImplementedError: a plan contains a step kind that has no code template.
 
-        Example:
+        Examples:
             >>> import convgrad as cg
             >>> src = cg.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2).to_python()
             >>> exec(compile(src, "recipe.py", "exec"), {"__name__": "__main__"})
@@ -202,7 +202,7 @@ class Recipe:
         Returns:
             The matplotlib Figure (Agg canvas, no display needed).
 
-        Example:
+        Examples:
             >>> import convgrad as cg
             >>> fig = cg.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2).plot()
             >>> len(fig.axes) >= 2
@@ -242,7 +242,7 @@ def explain(
 
     Source: docs/derivation.md.
 
-    Example:
+    Examples:
         >>> import convgrad as cg
         >>> recipe = cg.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2)
         >>> recipe.steps("grad_input")[-1].shape   # every step carries the shape after it

@@ -3,7 +3,7 @@
 Arguments follow torch.nn.grad (input, weight_size, grad_output, stride, padding,
 dilation, groups), then the transposed-conv extras of aten.convolution_backward.
 The derivation is in docs/per_sample.md; the contractions are listed in
-:mod:`convgrad.per_sample.methods`.
+``convgrad.per_sample.methods``.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
         output_padding: int or N-tuple, transposed only (default 0).
         method: ``"unfold"`` (im2col + one batched GEMM per group), ``"conv"`` (a grouped convolution
             with the batch folded into the groups) or ``"auto"`` (default; the cost model of
-            :func:`per_sample_grad_norms`). ``"ghost"`` computes norms only and is refused here.
+            [`per_sample_grad_norms`][convgrad.per_sample.functional.per_sample_grad_norms]). ``"ghost"`` computes norms
+            only and is refused here.
 
     Returns:
         ``(N, *weight_size)``, contiguous; summed over dim 0 it equals ``convgrad.conv_weight_grad``.
@@ -79,7 +80,7 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
     Source: docs/per_sample.md; the grouped-conv form is the fwdconv weight-gradient plan
     (DESIGN.md) with the batch folded into the groups instead of being summed.
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> x, gy = torch.randn(5, 4, 8, 8), torch.randn(5, 6, 4, 4)
         >>> gw = cg.per_sample_weight_grad(x, (6, 2, 3, 3), gy, stride=2, padding=1, groups=2)
@@ -115,7 +116,7 @@ def per_sample_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
 
     Source: docs/per_sample.md ("bias").
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> cg.per_sample_bias_grad(torch.ones(2, 3, 4, 5))
         tensor([[20., 20., 20.],
@@ -159,7 +160,7 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
 
     Args:
         input, weight_size, grad_output, stride, padding, dilation, groups, transposed, output_padding:
-            as :func:`per_sample_weight_grad`.
+            as [`per_sample_weight_grad`][convgrad.per_sample.functional.per_sample_weight_grad].
         bias: include the bias gradient ``grad_output`` summed over space (default True).
         method: ``"auto"`` (default), ``"ghost"``, ``"unfold"`` or ``"conv"``.
 
@@ -167,12 +168,13 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
         ``(N,)``, the dtype of input.
 
     Raises:
-        TypeError, ValueError: as :func:`per_sample_weight_grad` (an unknown method included).
+        TypeError, ValueError: as [`per_sample_weight_grad`][convgrad.per_sample.functional.per_sample_weight_grad]
+            (an unknown method included).
 
     Source: docs/per_sample.md; Goodfellow, "Efficient per-example gradient computations" (2015);
     Li et al., "Large language models can be strong differentially private learners" (ICLR 2022).
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> x, gy = torch.randn(3, 4, 6, 6), torch.randn(3, 6, 6, 6)
         >>> ghost = cg.per_sample_grad_norms(x, (6, 2, 3, 3), gy, padding=1, groups=2, method="ghost")

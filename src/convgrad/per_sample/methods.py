@@ -42,7 +42,7 @@ MIN_TILE = 64  # below this many entries per group's gradient, a GEMM per (sampl
 
 
 def choose_method(spec: ConvSpec, norms: bool) -> str:
-    """The cheaper method for this layer; the formulas are those of :func:`convgrad.per_sample_grad_norms`.
+    """The cheaper method for this layer; the formulas are those of ``convgrad.per_sample_grad_norms``.
 
     With P positions, T taps, g groups (N cancels everywhere):
         materialise  time  P·C_y·C_x·T/g MACs          memory  C_y·C_x·T/g (the gradients)

@@ -9,7 +9,7 @@ How it hooks in, per supported module and forward call:
                   ReLU(inplace=True) stay legal) whose inputs are the output and
                   the parameters;
     _Tap backward receives grad_output, hands it with the saved input to the
-                  module's rule (:mod:`convgrad.per_sample.rules`) and returns, as
+                  module's rule (``convgrad.per_sample.rules``) and returns, as
                   the parameters' ordinary gradients, the sum of the per-sample
                   ones (norms_only: none; clip_and_accumulate sets .grad).
 """
@@ -77,9 +77,11 @@ class PerSampleGrads:
     With ``norms_only=True`` nothing is stored in ``.grad_sample`` and backward leaves the
     ``.grad`` of the supported parameters untouched (DP-SGD replaces it anyway): each layer
     keeps only its per-sample squared norms, computed by a ghost norm wherever that costs
-    fewer operations (see :func:`convgrad.per_sample_grad_norms`), plus the smaller of its
+    fewer operations (see
+    [`convgrad.per_sample_grad_norms`][convgrad.per_sample.functional.per_sample_grad_norms]), plus the smaller of its
     materialised per-sample gradients or its (input, grad_output) for clipping; then
-    :meth:`clip_and_accumulate` sets ``.grad``. Double backward (create_graph=True) through
+    [`clip_and_accumulate`][convgrad.per_sample.model.PerSampleGrads.clip_and_accumulate] sets ``.grad``. Double
+    backward (create_graph=True) through
     a supported module is refused.
 
     Args:
@@ -98,7 +100,7 @@ class PerSampleGrads:
     Source: docs/per_sample.md; Opacus's GradSampleModule (grad_sample's definition);
     Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
 
-    Example:
+    Examples:
         >>> import torch, convgrad as cg
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding="same", padding_mode="circular"),
         ...                             torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
@@ -270,7 +272,8 @@ class PerSampleGrads:
             ``(N,)``, the per-sample norms before clipping.
 
         Raises:
-            ValueError: max_norm is not positive. RuntimeError: as :meth:`norms`.
+            ValueError: max_norm is not positive. RuntimeError: as
+                [`norms`][convgrad.per_sample.model.PerSampleGrads.norms].
         """
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
             raise ValueError(f"PerSampleGrads.clip_and_accumulate: max_norm={max_norm!r} must be a positive number")

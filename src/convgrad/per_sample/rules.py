@@ -1,7 +1,7 @@
 """Per-layer rules of PerSampleGrads: one class per kind of module, registered on the module types.
 
 Every rule has the same constructor, ``Rule(module, input, grad_output, scale)``, and the
-same methods (see :class:`Layer`); new modules need a new rule, not an ``isinstance`` chain.
+same methods (see ``Layer``); new modules need a new rule, not an ``isinstance`` chain.
 ``scale`` is N for loss_reduction="mean" (each sample's own loss gradient) and 1 for "sum".
 
 Contractions per sample n (P: positions, the dims between batch and features):

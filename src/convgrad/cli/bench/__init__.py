@@ -1,10 +1,10 @@
 """`convgrad bench`: time every backend against native on a suite of real layers.
 
-For each layer of the suite (:mod:`convgrad.cli.bench.layers`) and each dtype, grad_input,
+For each layer of the suite (``convgrad.cli.bench.layers``) and each dtype, grad_input,
 grad_weight and both together are timed for every backend, with native always included and
-interleaved in the same rounds, next to a matmul of equal FLOPs (:mod:`convgrad.cli.bench.timing`).
+interleaved in the same rounds, next to a matmul of equal FLOPs (``convgrad.cli.bench.timing``).
 The command prints rich tables and writes ``results.json``, ``results.md`` and one
-``ratios_<dtype>.png`` per dtype into ``--out`` (:mod:`convgrad.cli.bench.report`). The CPU model,
+``ratios_<dtype>.png`` per dtype into ``--out`` (``convgrad.cli.bench.report``). The CPU model,
 core and thread counts (or the GPU) are recorded with every result. On CUDA, native is cuDNN and
 TF32 is switched off, so float32 means float32.
 

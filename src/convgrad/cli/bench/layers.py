@@ -5,7 +5,7 @@ takes roughly 10 to 500 ms on a 2-core AVX-512 CPU in float32. Every layer runs 
 layers marked ``float64`` form the float64 subset. ``SUITES["smoke"]`` holds tiny versions of a
 few of them for tests. ``benchmarks/layers.py`` prints the suites.
 
-Example:
+Examples:
     >>> from convgrad.cli.bench.layers import SUITES
     >>> layer = SUITES["default"][0]
     >>> layer.name, layer.network, layer.spec().output_shape
