@@ -13,7 +13,7 @@ import torch
 from convgrad.cli import add_conv_arguments, parse_ints
 from convgrad.cli.check.configs import check_config, check_random
 from convgrad.cli.check.judge import DTYPES, GRADIENTS, Result
-from convgrad.cli.check.model import check_model
+from convgrad.cli.check.model import LayerCheck, check_model
 
 __all__ = ["add_arguments", "run"]
 
@@ -124,6 +124,17 @@ def _worst(results: list[Result], backend: str) -> str:
     return _fmt(max(judged), True) if judged else ("skip" if mine else "")
 
 
+def _layer_rows(layer: LayerCheck, names: list[str]) -> list[tuple[str, ...]]:
+    """One row per gradient of a conv call, a cell per backend; the layer and its module on the first row only."""
+    rows = []
+    for g in GRADIENTS:
+        mine = [r for r in layer.results if r.gradient == g]
+        if mine:
+            where = ("", "") if rows else (layer.name, layer.module)
+            rows.append((*where, g, *(_worst(mine, b) for b in names), _verdict(mine)))
+    return rows
+
+
 def _verdict(results: list[Result]) -> str:
     failed = [f"{r.backend} {r.gradient}" for r in results if r.failed]
     return "FAIL: " + ", ".join(failed) if failed else "pass"
@@ -182,9 +193,7 @@ def _run_model(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> li
         console.print(_table(("layer", "module", "backend", "gradient"), rows, ERRORS))
     else:
         names = _backends(layers[0].results)
-        rows = [(layer.name, layer.module, g, *(_worst(mine, b) for b in names), _verdict(mine))
-                for layer in layers for g in GRADIENTS
-                if (mine := [r for r in layer.results if r.gradient == g])]
+        rows = [row for layer in layers for row in _layer_rows(layer, names)]
         console.print(f"{title} (err / bound)")
         console.print(_table(("layer", "module", "gradient"), rows, (*names, "result")))
     return [r for layer in layers for r in layer.results if r.failed]
