@@ -24,8 +24,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
-# a fenced block: ```python at any indent (inside tabs or admonitions too), closed at the same indent
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
+# a fenced block (``` or ~~~, three or more) at any indent (inside tabs or admonitions too), closed by the same fence
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)"
+                    r"^(?P=indent)(?P=fence)[ \t]*$", re.S | re.M)
 _PYTHON = {"python", "py", "python3"}
 
 
