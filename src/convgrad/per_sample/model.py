@@ -346,7 +346,7 @@ class PerSampleGrads:
         if total is None:
             raise RuntimeError("PerSampleGrads.norms: no per-sample gradient was recorded; run the forward pass "
                                "and loss.backward() inside the `with PerSampleGrads(model)` block")
-        return total.sqrt()
+        return total.clamp(min=0).sqrt()  # a ghost norm near 0 can round below it
 
     def clip_and_accumulate(self, max_norm: float) -> torch.Tensor:
         """Add to each parameter's ``.grad`` the sum over samples of its per-sample gradient clipped to max_norm.

@@ -28,7 +28,7 @@ from convgrad.per_sample import methods
 from convgrad.per_sample.functional import per_sample_bias_grad
 from convgrad.spec import ConvSpec
 
-__all__ = ["RULES", "SAMPLE_MIXING", "Layer", "mixes_samples", "rule_for"]
+__all__ = ["RULES", "SAMPLE_MIXING", "ConvLayer", "Layer", "mixes_samples", "rule_for"]
 
 Grads = dict[str, torch.Tensor]
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
