@@ -14,6 +14,8 @@ other is copied once, by a differentiable permute and ``contiguous`` (so second 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from convgrad._ops import placeholder
@@ -72,6 +74,8 @@ def _seen_input(spec: ConvSpec, input: torch.Tensor | None, like: torch.Tensor) 
 def _targets(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
              weight: torch.Tensor | None) -> tuple[Target, Target]:
     """(grad_input's target, grad_weight's target): the layouts torch's backward gives for these tensors."""
+    if all(t is not None and _plainly_contiguous(t) for t in (input, weight)):
+        return torch.contiguous_format, torch.contiguous_format  # what every kernel gives (Empty's zeros_like too)
     meta_rule = next((f for f in (_suggested(input), _suggested(weight)) if f != torch.contiguous_format),
                      torch.contiguous_format)
     if _select is None or _determine is None or torch.compiler.is_compiling():  # dynamo cannot trace them
@@ -91,22 +95,37 @@ def _targets(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | No
     return fmt, fmt
 
 
-def _target_strides(shape: torch.Size, target: Target) -> list[int]:
-    """The strides target gives a dense tensor of this shape."""
-    if isinstance(target, torch.Tensor):
-        return list(torch.empty_like(target, device="meta").stride())  # zeros_like's layout, nothing allocated
-    n = len(shape)
-    order = [0, *range(2, n), 1] if target != torch.contiguous_format else list(range(n))  # outermost first
-    strides, step = [0] * n, 1
+def _dense_strides(shape: Sequence[int], order: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The strides of a dense tensor of this shape whose dims lie in memory in ``order`` (outermost first;
+    default: contiguous)."""
+    order = range(len(shape)) if order is None else order
+    strides, step = [0] * len(shape), 1
     for d in reversed(order):
         strides[d], step = step, step * max(shape[d], 1)
-    return strides
+    return tuple(strides)
+
+
+def _plainly_contiguous(t: torch.Tensor) -> bool:
+    """Contiguous strides on every dim, size-1 dims too (a depthwise (C, 1, k, k) weight can be contiguous and
+    yet suggest channels_last by the stride of its size-1 dim), and not empty (whose strides zeros_like keeps)."""
+    return t.is_contiguous() and t.numel() > 0 and (1 not in t.shape or t.stride() == _dense_strides(t.shape))
+
+
+def _target_strides(shape: torch.Size, target: Target) -> tuple[int, ...]:
+    """The strides target gives a dense tensor of this shape."""
+    if isinstance(target, torch.Tensor):
+        return torch.empty_like(target, device="meta").stride()  # zeros_like's layout, nothing allocated
+    channels_last = [0, *range(2, len(shape)), 1]  # (N, *spatial, C) in memory; for 1d too
+    return _dense_strides(shape, None if target == torch.contiguous_format else channels_last)
 
 
 def _laid_out(grad: torch.Tensor | None, target: Target) -> torch.Tensor | None:
     """grad with the strides of target (size-1 dims, whose strides nothing reads, aside): itself if it has them."""
     if grad is None:
         return None
+    if grad.numel() and not isinstance(target, torch.Tensor) and (grad.dim() > 3 or target == torch.contiguous_format):
+        if grad.is_contiguous(memory_format=target):  # the common case, one flag torch keeps: nothing to copy
+            return grad
     strides = _target_strides(grad.shape, target)
     if all(n == 1 or a == b for n, a, b in zip(grad.shape, grad.stride(), strides)):
         return grad
