@@ -16,7 +16,7 @@ import torch
 from convgrad._ops import bias_grad
 from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.backends.native import forward as native_forward
-from convgrad.functional import _check_tensor, _check_tensors, check_untraced
+from convgrad.functional import _check_tensor, _check_tensors, _check_untraced
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
 __all__ = [
@@ -117,7 +117,7 @@ class ConvFunction(_ConvCore):
 
 def _check_differentiation(fn: str, backend: Backend, **tensors: torch.Tensor) -> None:
     """In the backward of a backend autograd cannot see through: no transform, no second derivative."""
-    check_untraced(fn, backend, tensors, returns_gradients=False)
+    _check_untraced(fn, backend, tensors, returns_gradients=False)
     if torch.is_grad_enabled():
         raise ValueError(f"{fn}: backend={backend.name!r} is not differentiable; a second derivative "
                          f"(create_graph=True) needs one of {traceable_names()}")

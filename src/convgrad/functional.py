@@ -61,7 +61,7 @@ def _check_tensors(fn: str, backend: Backend, *, results_in_graph: bool = False,
             raise ValueError(f"{fn}: {name}.device={t.device} does not match {first}.device={ref.device}")
     backend.check_operand(fn, first, ref)
     if not backend.differentiable:
-        check_untraced(fn, backend, checked, returns_gradients=not results_in_graph)
+        _check_untraced(fn, backend, checked, returns_gradients=not results_in_graph)
 
 
 def _transformed(t: torch.Tensor) -> bool:
@@ -72,7 +72,7 @@ def _transformed(t: torch.Tensor) -> bool:
     return functorch.is_functorch_wrapped_tensor(t) or functorch.is_legacy_batchedtensor(t)
 
 
-def check_untraced(fn: str, backend: Backend, tensors: dict[str, torch.Tensor], returns_gradients: bool) -> None:
+def _check_untraced(fn: str, backend: Backend, tensors: dict[str, torch.Tensor], returns_gradients: bool) -> None:
     """For a backend autograd cannot see through: refuse torch.func transforms, and (``returns_gradients``)
     tensors that require grad, whose gradients would come back silently detached from the graph."""
     for name, t in tensors.items():

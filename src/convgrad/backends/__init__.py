@@ -31,8 +31,9 @@ _B = TypeVar("_B", bound="type[Backend]")
 class Backend(ABC):
     """One formulation of the convolution backward.
 
-    Tensors are batched, ``(N, C, *spatial)``, with dtype and device already checked.
-    ``input_grad`` returns ``spec.input_shape``; ``weight_grad`` returns ``spec.weight_shape``.
+    Tensors are batched, ``(N, C, *spatial)``, with dtype and device already checked (by
+    ``check_operand`` among others). ``input_grad`` returns ``spec.input_shape``; ``weight_grad`` returns
+    ``spec.weight_shape``, in any layout: callers go through ``gradients``, which lays them out as torch does.
     """
 
     name: ClassVar[str]
@@ -78,9 +79,12 @@ class Backend(ABC):
         need_input: bool,
         need_weight: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """[`backward`][convgrad.backends.Backend.backward], each gradient in the memory format torch's own
-        backward returns for these tensors: the one entry point of every caller, so that no backend has to
-        get layouts right by itself (a backend that produces torch's layout directly is not copied)."""
+        """``backward``, with each gradient in the memory format torch's own backward returns for these tensors.
+
+        The one entry point of every caller, so that no backend has to get layouts right by itself; a
+        gradient already in torch's layout is not copied. ``input`` or ``weight`` is None when its gradient
+        alone is asked for (then, as in torch.nn.grad, the missing tensor has no layout of its own).
+        """
         from convgrad.backends.layout import like_torch  # here: this package must import without torch
 
         gi, gw = self.backward(spec, grad_output, input, weight, need_input, need_weight)
