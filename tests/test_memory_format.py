@@ -2,7 +2,7 @@
 
 The judge is torch at run time, never a rule written down here: for each configuration of the grid and each
 layout of input, weight and grad_output, the gradients torch autograd computes through torch's own
-convolution (and torch.nn.grad where it can express the case) are compared with ours through
+convolution (and torch.nn.grad's, where it can express the case) are compared with ours through
 ``conv_backward``, through ``torch.autograd.grad`` of ``cg.conv`` and through the torch.nn.grad-compatible
 helpers: the same strides on every dim longer than 1 (so the same ``is_contiguous(memory_format=...)`` for
 every format, and ``.view`` works exactly where it works on torch's). A ``.backward()`` test could not show
@@ -18,7 +18,8 @@ import torch
 import torch.nn.grad
 
 import convgrad as cg
-from helpers import TOL, Case, grid_cases, make_tensors, reference_grads
+from convgrad.backends import get_backend
+from helpers import TOL, Case, backend_accepts, grid_cases, make_tensors, reference_grads
 
 BACKENDS = cg.backends()
 CASES = grid_cases()
@@ -123,11 +124,11 @@ PATHS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-def memory_format_problems(case: Case, backend: str, dtype: torch.dtype, layouts: tuple[str, ...] = LAYOUTS
+def memory_format_problems(case: Case, backend: str, dtype: torch.dtype, device: torch.device | str = "cpu"
                            ) -> list[str]:
     problems = []
-    for layout in layouts:
-        t = laid_out(case, make_tensors(case, dtype), layout)
+    for layout in LAYOUTS:
+        t = laid_out(case, make_tensors(case, dtype, device), layout)
         refs = {ref_fn: ref_fn(case, t) for ref_fn in {ref_fn for _, ref_fn in PATHS.values()}}
         for path, (ours_fn, ref_fn) in PATHS.items():
             for name, g in ours_fn(case, t, backend).items():
@@ -137,16 +138,51 @@ def memory_format_problems(case: Case, backend: str, dtype: torch.dtype, layouts
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_gradients_have_torchs_memory_format(case: Case, backend: str) -> None:
-    problems = memory_format_problems(case, backend, torch.float64)
+def test_gradients_have_torchs_memory_format(case: Case, backend: str, device: torch.device) -> None:
+    if not backend_accepts(backend, torch.float64, device):
+        pytest.skip(f"backend {backend!r} does not run on {device}")
+    problems = memory_format_problems(case, backend, torch.float64, device)
     assert not problems, f"{backend} {case}:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# float32 takes other kernels than float64 in torch (oneDNN on the CPU), and so other layouts; torch builds
+# complex convolutions from real ones, whose gradients come out contiguous whatever the layouts
+OTHER_DTYPES = [(torch.float32, b) for b in BACKENDS] + [
+    (torch.complex128, b) for b in BACKENDS if get_backend(b).supports_complex]
+
+
+@pytest.mark.parametrize(("dtype", "backend"), OTHER_DTYPES, ids=lambda v: str(v).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES[::4], ids=str)
-def test_gradients_have_torchs_memory_format_float32(case: Case, backend: str) -> None:
-    """float32 takes other kernels than float64 in torch (oneDNN), and so other layouts."""
-    problems = memory_format_problems(case, backend, torch.float32)
+def test_gradients_have_torchs_memory_format_in_other_dtypes(case: Case, dtype: torch.dtype, backend: str,
+                                                             device: torch.device) -> None:
+    if not backend_accepts(backend, dtype, device):
+        pytest.skip(f"backend {backend!r} does not run on {device}")
+    problems = memory_format_problems(case, backend, dtype, device)
+    assert not problems, f"{backend} {case} {dtype}:\n" + "\n".join(problems)
+
+
+NN_GRAD_CASES = [c for c in CASES if not c.transposed and c.spec().is_symmetric and not c.spec().unbatched]
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "auto"])
+@pytest.mark.parametrize("case", NN_GRAD_CASES, ids=str)
+def test_torch_nn_grad_names_have_torchs_memory_format(case: Case, backend: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """cg.conv{n}d_input / conv{n}d_weight against torch.nn.grad's own, with backend 'auto' choosing each
+    backend in turn (as its tuning may)."""
+    from convgrad.backends import auto
+
+    monkeypatch.setattr(auto, "FIXED_CHOICE", backend)
+    spec = case.spec()
+    kw = dict(stride=spec.stride, padding=spec.symmetric_padding, dilation=spec.dilation, groups=spec.groups)
+    problems = []
+    for layout in LAYOUTS:
+        t = laid_out(case, make_tensors(case), layout)
+        x, w, gy = t["input"], t["weight"], t["grad_output"]
+        for kind, args in (("input", (x.shape, w, gy)), ("weight", (x, w.shape, gy))):
+            name = f"conv{spec.n}d_{kind}"
+            ours, theirs = getattr(cg, name)(*args, **kw), getattr(torch.nn.grad, name)(*args, **kw)
+            problems += [f"{name} {layout}: {p}" for p in layout_problems(ours, theirs)]
     assert not problems, f"{backend} {case}:\n" + "\n".join(problems)
 
 

@@ -74,8 +74,10 @@ def _seen_input(spec: ConvSpec, input: torch.Tensor | None, like: torch.Tensor) 
 def _targets(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
              weight: torch.Tensor | None) -> tuple[Target, Target]:
     """(grad_input's target, grad_weight's target): the layouts torch's backward gives for these tensors."""
-    if all(t is not None and _plainly_contiguous(t) for t in (input, weight)):
-        return torch.contiguous_format, torch.contiguous_format  # what every kernel gives (Empty's zeros_like too)
+    if grad_output.is_complex() or all(t is not None and _plainly_contiguous(t) for t in (input, weight)):
+        # what every kernel gives (Empty's zeros_like too); torch builds complex convolutions from real ones,
+        # and their gradients come out contiguous whatever the layouts
+        return torch.contiguous_format, torch.contiguous_format
     meta_rule = next((f for f in (_suggested(input), _suggested(weight)) if f != torch.contiguous_format),
                      torch.contiguous_format)
     if _select is None or _determine is None or torch.compiler.is_compiling():  # dynamo cannot trace them
