@@ -23,9 +23,15 @@ from convgrad.explain.frames import GRADIENTS
 if TYPE_CHECKING:
     from convgrad.explain.recipe import Recipe
 
-__all__ = ["SUFFIXES", "animate", "frames"]
+__all__ = ["SUFFIXES", "animate", "check_path", "frames"]
 
 SUFFIXES = (".gif", ".webp", ".mp4", ".html")
+
+
+def check_path(path: Path, fn: str) -> None:
+    """Fail before drawing anything when the file cannot be written there."""
+    if not path.parent.is_dir():
+        raise ValueError(f"{fn}: path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
 
 
 def _layouts(recipe: Recipe, gradients: tuple[str, ...], max_frames: int, fn: str) -> list[render.Layout]:
@@ -79,6 +85,7 @@ def animate(recipe: Recipe, path: Path, gradients: tuple[str, ...], max_frames: 
         raise ValueError(f"Recipe.animate: path={str(path)!r} must end in one of {SUFFIXES}")
     if not fps > 0:
         raise ValueError(f"Recipe.animate: fps={fps!r} must be positive")
+    check_path(path, "Recipe.animate")
     if suffix == ".mp4":
         if not animation.writers.is_available("ffmpeg"):
             raise ValueError(f"Recipe.animate: {path} needs ffmpeg, which is not installed; write a .gif or .webp "

@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from convgrad.backends.fwdconv_geometry import Cell
+from convgrad.backends.fwdconv_plan import Conv
 from convgrad.backends.fwdconv_steps import Spatially
 from convgrad.explain.frames import Frame, Index, Scene
 from convgrad.explain.symbols import SYMBOLS
@@ -50,11 +51,11 @@ def _tint(colour: str, amount: float) -> str:
 FILLS = {  # cell kind -> fill
     "row": _tint(OKABE_ITO["sky"], 0.35), "zero": _tint(OKABE_ITO["yellow"], 0.55), "pad": "#DDDDDD",
     "cropped": _tint(OKABE_ITO["vermillion"], 0.3), "skipped": "#F4F4F4", "tap": _tint(OKABE_ITO["orange"], 0.4),
-    "zero_tap": _tint(OKABE_ITO["yellow"], 0.55), "out": "#FFFFFF", "unreached": _tint(OKABE_ITO["purple"], 0.35),
+    "zero_tap": _tint(OKABE_ITO["orange"], 0.12), "out": "#FFFFFF", "unreached": _tint(OKABE_ITO["purple"], 0.35),
     "done": _tint(OKABE_ITO["green"], 0.35)}
 PHASES = [OKABE_ITO[c] for c in ("blue", "vermillion", "purple", "green", "orange", "sky", "yellow", "black")]
 GROUP_COLOURS = [OKABE_ITO[c] for c in ("orange", "sky", "green", "blue", "vermillion", "purple", "yellow")]
-HATCHES = {"cropped": "///", "unreached": "xx"}
+HATCHES = {"cropped": "///", "unreached": "xx", "zero_tap": ".."}
 LABELS = {
     "row": "{data} entry", "zero": "inserted zero", "pad": "padding", "cropped": "cropped (a negative pad)",
     "skipped": "not read by this step", "tap": "{kernel} tap", "zero_tap": "zero tap (another phase's slot)",
@@ -142,27 +143,37 @@ def _result_index(scene: Scene, frame: Frame) -> Index:
     return (*lead, *frame.channel, *frame.cell)
 
 
-def _window(scene: Scene, frames: list[Frame], full: bool) -> tuple[list[list[Cell]], list[list[Cell]], list[list]]:
-    """The canvases to draw: every cell when all frames are shown, else the part the shown frames touch."""
+@dataclass(frozen=True)
+class Window:
+    """Which part of a scene is drawn: the first ``corner`` result rows per dim (None: all) and, where even one
+    cell's footprint would not fit, the first ``clip`` rows per dim of the data and the kernel (None: all)."""
+
+    corner: int | None = None
+    clip: int | None = None
+
+
+def _window(scene: Scene, window: Window) -> tuple[list[list[Cell]], list[list[Cell]], list[list]]:
+    """The canvases to draw, per dim: every cell, or the top-left corner the window keeps."""
     data, kernel = (list(map(list, c)) for c in scene.canvases)
     result = [sorted((*a.cells, *a.dropped), key=lambda c: c.key) for a in scene.axes]
-    if full:
-        return data, kernel, result
-    for j in range(scene.spec.n):
-        keys = {d[j].key for f in frames for d, _ in f.links}
-        keys |= {c.key for f in frames if f.views[j] is not None for c in f.views[j][0].cells}  # type: ignore[index]
-        lo, hi = min(keys), max(keys)
-        data[j] = [c for c in data[j] if lo <= c.key <= hi]
-        last = max(f.cell[j] for f in frames)
-        result[j] = [c for c in scene.axes[j].cells if c.key <= scene.axes[j].cells[last].key]
+    if window.corner is not None:
+        for j, axis in enumerate(scene.axes):
+            rows = axis.cells[:window.corner]
+            hi = max((d.key for o in rows for d, _ in o.links), default=data[j][-1].key)  # type: ignore[union-attr]
+            data[j] = [c for c in data[j] if c.key <= hi]
+            result[j] = [c for c in result[j] if c.key <= rows[-1].key]
+    if window.clip is not None:
+        data = [d[:window.clip] for d in data]
+        kernel = [k[:window.clip] for k in kernel]
     return data, kernel, result
 
 
-def select(scene: Scene, budget: int) -> tuple[list[Frame], str, bool]:
-    """The frames to draw within ``budget``, a note saying what was left out, and whether all cells are shown.
+def select(scene: Scene, budget: int) -> tuple[list[Frame], str, Window]:
+    """The frames to draw within ``budget``, a note saying what was left out, and the window drawn.
 
     Channels: the first of each group (at most 4 groups); cells: all, or a corner of the result when the
-    cells of those channels exceed the budget or the grids would not fit 800 px at 20 px a cell.
+    cells of those channels exceed the budget or the grids would not fit 800 px at 20 px a cell; when not
+    even one cell's grids fit (a large grad_weight), a corner of the data and the kernel as well.
     """
     spec, channels = scene.spec, scene.result_channels()
     firsts = list({scene.group_of(c): c for c in reversed(channels)}.values())[::-1][:4]
@@ -172,36 +183,36 @@ def select(scene: Scene, budget: int) -> tuple[list[Frame], str, bool]:
                      + (" (the first of each group)" if spec.groups > 1 else " (the others are alike)"))
     sizes = [len(a.cells) for a in scene.axes]
     per_channel = max(1, budget // len(firsts))
-    corner = max(sizes)
-    while corner > 1:
-        cells = list(itertools.product(*(range(min(corner, n)) for n in sizes)))
-        frames = [scene.frame(c, u) for c in firsts for u in cells]
-        full = corner >= max(sizes)
-        if len(cells) <= per_channel and _fits(scene, frames, full):
-            break
-        corner -= 1
-    else:
-        cells = [(0,) * spec.n]
-        frames = [scene.frame(c, u) for c in firsts for u in cells]
-        full = False
-    if not full:
-        notes.append(f"the top-left corner of the result, {'x'.join(str(min(corner, n)) for n in sizes)} of "
+    corners = [c for c in range(max(sizes), 0, -1) if math.prod(min(c, n) for n in sizes) <= per_channel]
+    window = next((Window(None if c >= max(sizes) else c) for c in corners
+                   if _fits(scene, Window(None if c >= max(sizes) else c))), None)
+    if window is None:
+        corner = corners[0]
+        window = Window(None if corner >= max(sizes) else corner)
+        window = next((Window(window.corner, clip) for clip in range(30, 2, -1)
+                       if _fits(scene, Window(window.corner, clip))), Window(window.corner, 3))
+        notes.append(f"the first {window.clip} rows per dim of {scene.data} and {scene.kernel} (the footprints go "
+                     f"on past them)")
+    shown = [min(window.corner or n, n) for n in sizes]
+    if window.corner is not None:
+        notes.append(f"the top-left corner of the result, {'x'.join(map(str, shown))} of "
                      f"{'x'.join(map(str, sizes))} cells (the pattern repeats)")
-    return frames, "; ".join(notes), full
+    frames = [scene.frame(c, u) for c in firsts for u in itertools.product(*(range(n) for n in shown))]
+    return frames, "; ".join(notes), window
 
 
 def _c(channel: Index) -> str:
     return str(channel[0]) if len(channel) == 1 else "(" + ", ".join(map(str, channel)) + ")"
 
 
-def _panels(scene: Scene, frames: list[Frame], full: bool) -> tuple[Panel, Panel, Panel]:
-    data, kernel, result = _window(scene, frames, full)
+def _panels(scene: Scene, window: Window) -> tuple[Panel, Panel, Panel]:
+    data, kernel, result = _window(scene, window)
     flipped = " (flipped)" if scene.flips else ""
     return Panel(scene.data, data), Panel(f"{scene.kernel}{flipped}", kernel), Panel(scene.result, result)
 
 
-def _fits(scene: Scene, frames: list[Frame], full: bool) -> bool:
-    return _cell_px(list(_panels(scene, frames, full)), scene.spec.n) >= MIN_CELL_PX
+def _fits(scene: Scene, window: Window) -> bool:
+    return _cell_px(list(_panels(scene, window)), scene.spec.n) >= MIN_CELL_PX
 
 
 def _cell_px(panels: list[Panel], n: int) -> float:
@@ -212,8 +223,8 @@ def _cell_px(panels: list[Panel], n: int) -> float:
 
 def layout(scene: Scene, budget: int) -> Layout:
     """Choose the frames (bounded by ``budget``) and place the panels and text lines of a scene."""
-    frames, note, full = select(scene, budget)
-    panels = list(_panels(scene, frames, full))
+    frames, note, window = select(scene, budget)
+    panels = list(_panels(scene, window))
     cell = _cell_px(panels, scene.spec.n)
     lay = Layout(scene, frames, *panels, note=note, cell=cell)
     y = MARGIN
@@ -279,9 +290,12 @@ def values(scene: Scene) -> dict[str, Any]:
     return t
 
 
-def _number(v: float) -> str:
-    text = f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
-    return "" if len(text) > 4 else text
+def _number(v: Any) -> str:
+    """A cell's number in at most 4 characters (thousands as k)."""
+    v = float(v)
+    if abs(v) >= 1000:
+        return f"{v / 1000:.0f}k" if abs(v) < 999_500 else f"{v / 1e6:.0f}M"
+    return f"{v:.0f}" if v.is_integer() else f"{v:.1f}"
 
 
 def _used_kinds(lay: Layout) -> set[str]:
@@ -380,16 +394,23 @@ def _text(ax: Axes, x: float, y: float, s: str, size: float = FONT, **kw: Any) -
     return ax.text(x, y, s, fontsize=size, **kw)
 
 
-def _cell(ax: Axes, panel: Panel, pos: Sequence[int], kind: str, text: str = "", fill: str | None = None) -> list:
+def _cell(ax: Axes, panel: Panel, pos: Sequence[int], kind: str, text: str = "", fill: str | None = None,
+          corner: str = "") -> list:
+    """A cell with its number: centred, or (small cells, where a letter shares it) in the ``corner`` given."""
     x, y = panel.at(pos)
     c = panel.cell
     edge = "#BBBBBB" if fill is None and kind == "out" else "white"
     out = [_rect(ax, x, y, c, c, facecolor=fill or FILLS[kind], edgecolor=edge, linewidth=1.2)]
     if kind in HATCHES:
         out.append(_rect(ax, x, y, c, c, fill=False, hatch=HATCHES[kind], edgecolor="#777777", linewidth=0))
-    if text:
+    colour = "#222222" if kind not in ("skipped",) else "#999999"
+    if text and (c >= 30 or not corner):
         out.append(_text(ax, x + c / 2, y + c / 2, text, FONT if c >= 28 else SMALL, ha="center", va="center",
-                         color="#222222" if kind not in ("skipped",) else "#999999"))
+                         color=colour))
+    elif text and corner == "top-left":
+        out.append(_text(ax, x + 2, y + 1, text, SMALL, ha="left", va="top", color=colour))
+    elif text:
+        out.append(_text(ax, x + c - 2, y + c - 1, text, SMALL, ha="right", va="bottom", color=colour))
     return out
 
 
@@ -417,7 +438,7 @@ def background(fig: Figure, lay: Layout, t: dict[str, Any], top: float = 0.0) ->
     for pos, cells in lay.data.every():
         kind = _kind(cells)
         text = _number(t[sc.data][(0, data_channel, *(c.source for c in cells))]) if kind == "row" else ""
-        _cell(ax, lay.data, pos, kind, text)
+        _cell(ax, lay.data, pos, kind, text, corner="top-left")
         if pos in never:
             x, y = lay.data.at(pos)
             _rect(ax, x, y, lay.cell, lay.cell, fill=False, hatch="..", edgecolor="#555555", linewidth=0)
@@ -453,15 +474,16 @@ def _data_steps(scene: Scene) -> str:
     """What the plan does to the data before the contraction, in one line."""
     steps = [re.sub(r" \((stride-1 zeros|negative|im2col|sample-major)[^()]*\)", "", st.describe())
              .replace(" per spatial dim", "") for st in scene.plan.data_steps if not _moves_channels_only(st)]
-    padding = getattr(scene.plan.conv, "padding", None)
-    if padding and any(padding):
-        steps.append(f"the conv pads {tuple(padding)} on both sides")
-    stride = getattr(scene.plan.conv, "stride", None)
-    if stride and any(v > 1 for v in stride):
-        steps.append(f"read at stride {tuple(stride)}")
-    dilation = getattr(scene.plan.conv, "dilation", None)
-    if dilation and any(v > 1 for v in dilation):
-        steps.append(f"kernel taps {tuple(dilation)} apart (dilation)")
+    conv = scene.plan.conv
+    if isinstance(conv, Conv):  # a plain conv: its own padding, stride and dilation shape the picture
+        if any(conv.padding):
+            steps.append(f"the conv pads {conv.padding} on both sides")
+        if any(v > 1 for v in conv.stride):
+            steps.append(f"read at stride {conv.stride}")
+        if any(v > 1 for v in conv.dilation):
+            steps.append(f"kernel taps {conv.dilation} apart (dilation)")
+    elif hasattr(conv, "phases"):
+        steps.append("each phase pads it as it needs and reads it at stride 1")
     return f"{scene.data}: " + ("; ".join(steps) or "read as it is")
 
 
@@ -473,6 +495,8 @@ def _letters(scene: Scene) -> dict[tuple[int, ...], str]:
     """The letter of every kernel tap (by its source index, row-major over the kernel's spatial shape)."""
     shape = {"weight": scene.spec.weight_shape, "input": scene.spec.input_shape,
              "grad_output": scene.spec.output_shape}[scene.kernel][2:]
+    if math.prod(shape) > 26:  # too many taps to letter: the outlines and the kernel's numbers say it
+        return {}
     return {t: _letter(j) for j, t in enumerate(itertools.product(*(range(k) for k in shape)))}
 
 
@@ -491,8 +515,8 @@ def frame_artists(ax: Axes, lay: Layout, frame: Frame, t: dict[str, Any]) -> lis
         if kind == "tap" and tuple(c.key for c in cells) not in used:
             kind = "skipped"
         value = t[sc.kernel][(*kernel_lead, *kernel_channel, *(c.source for c in cells))] if kind == "tap" else None
-        label = letters[tuple(c.source for c in cells)] if kind in ("tap", "skipped") and cells[0].source >= 0 else ""
-        out += _cell(ax, lay.kernel, pos, kind, "" if value is None else _number(value))
+        label = letters.get(tuple(c.source for c in cells), "") if kind in ("tap", "skipped") else ""
+        out += _cell(ax, lay.kernel, pos, kind, "" if value is None else _number(value), corner="bottom-right")
         if label:
             x, y = lay.kernel.at(pos)
             out.append(_text(ax, x + 2, y + 1, label, SMALL, va="top", color="#7A4A00"))
@@ -504,7 +528,7 @@ def frame_artists(ax: Axes, lay: Layout, frame: Frame, t: dict[str, Any]) -> lis
         real = all(c.kind == "row" for c in k)
         out.append(_rect(ax, x + 1.5, y + 1.5, lay.cell - 3, lay.cell - 3, fill=False, edgecolor=FOOTPRINT,
                          linewidth=2.4 if real else 1.2, linestyle="-" if real else ":"))
-        if real and all(c.source >= 0 for c in k):
+        if real and letters:
             out.append(_text(ax, x + lay.cell - 3, y + lay.cell - 2, letters[tuple(c.source for c in k)], SMALL,
                              ha="right", va="bottom", color=FOOTPRINT, weight="bold"))
     out += _current(ax, lay, frame)
@@ -560,7 +584,8 @@ def _frame_text(ax: Axes, lay: Layout, frame: Frame, t: dict[str, Any]) -> list:
     out = []
     if frame.phase is not None:
         rows = ", ".join(f"{r}::{s}" for r, s in zip(frame.phase, sc.spec.stride, strict=True))
-        taps = sorted({letters[tuple(c.source for c in k)] for d, k in frame.links if all(c.kind == "row" for c in k)})
+        taps = sorted({letters.get(tuple(c.source for c in k), "") for d, k in frame.links
+                       if all(c.kind == "row" for c in k)} - {""})
         out.append(_text(ax, MARGIN, lay.rows["phase"], f"phase rho = {frame.phase}: the rows {rows} of {sc.result}, "
                          f"from the taps {', '.join(taps) or '(none)'} of the {sc.kernel}", FONT, va="top",
                          color="#333333"))
@@ -569,12 +594,12 @@ def _frame_text(ax: Axes, lay: Layout, frame: Frame, t: dict[str, Any]) -> list:
     for d, k in frame.links:
         if all(c.kind == "row" for c in d) and all(c.kind == "row" for c in k):
             v = t[sc.data][(0, data_channel, *(c.source for c in d))]
-            terms.append(f"{_number(v)}·{letters[tuple(c.source for c in k)]}")
+            terms.append(f"{_number(v)}·{letters.get(tuple(c.source for c in k), '')}")
     value = _number(t[sc.result][index])
     if not frame.reached:
         line = f"{name} = 0: no tap of the {sc.kernel} reaches this cell"
     else:
-        body = " + ".join(terms) if len(terms) <= 12 else f"the {len(terms)} products outlined"
+        body = " + ".join(terms) if len(terms) <= 12 and letters else f"the sum of {len(terms)} products"
         more = f" + the same over {len(frame.channels) - 1} more channel(s)" if len(frame.channels) > 1 else ""
         line = f"{name} = {body}{more} = {value}"
     out.append(_text(ax, MARGIN, lay.rows["sum"], line[:120], FONT, va="top"))
