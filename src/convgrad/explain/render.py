@@ -31,7 +31,8 @@ from convgrad.backends.fwdconv_steps import Spatially
 from convgrad.explain.frames import Frame, Index, Scene
 from convgrad.explain.symbols import SYMBOLS
 
-__all__ = ["DPI", "FILLS", "MIN_CELL_PX", "OKABE_ITO", "WIDTH_PX", "Layout", "draw", "layout", "values"]
+__all__ = ["DPI", "FILLS", "MIN_CELL_PX", "OKABE_ITO", "WIDTH_PX", "Layout", "draw", "frames_needed", "layout",
+           "values"]
 
 WIDTH_PX, DPI = 800, 100
 MIN_CELL_PX, MAX_CELL_PX = 20, 36
@@ -168,6 +169,16 @@ def _window(scene: Scene, window: Window) -> tuple[list[list[Cell]], list[list[C
     return data, kernel, result
 
 
+def _shown_channels(scene: Scene) -> list[Index]:
+    """The result channels the frames show: the first of each group, at most 4 groups."""
+    return list({scene.group_of(c): c for c in reversed(scene.result_channels())}.values())[::-1][:4]
+
+
+def frames_needed(scene: Scene) -> int:
+    """How many frames show every cell of the shown channels."""
+    return len(_shown_channels(scene)) * math.prod(len(a.cells) for a in scene.axes)
+
+
 def select(scene: Scene, budget: int) -> tuple[list[Frame], str, Window]:
     """The frames to draw within ``budget``, a note saying what was left out, and the window drawn.
 
@@ -176,7 +187,7 @@ def select(scene: Scene, budget: int) -> tuple[list[Frame], str, Window]:
     even one cell's grids fit (a large grad_weight), a corner of the data and the kernel as well.
     """
     spec, channels = scene.spec, scene.result_channels()
-    firsts = list({scene.group_of(c): c for c in reversed(channels)}.values())[::-1][:4]
+    firsts = _shown_channels(scene)
     notes = []
     if len(channels) > len(firsts):
         notes.append(f"result channels {', '.join(map(_c, firsts))} of {len(channels)} shown"
@@ -354,7 +365,8 @@ def _legend_rows(lay: Layout) -> list[list[tuple[str, str, str]]]:
     names = {"data": lay.scene.data, "kernel": lay.scene.kernel, "result": lay.scene.result}
     kinds = _used_kinds(lay)
     order = ["row", "never", "zero", "pad", "cropped", "skipped", "tap", "zero_tap", "done", "unreached"]
-    entries = [(FILLS.get(k, FILLS["row"]), HATCHES.get(k, "" if k != "never" else ".."), LABELS[k].format(**names))
+    labels = {**LABELS, "tap": LABELS["tap"] if lay.scene.kernel == "weight" else "{kernel} entry (the kernel here)"}
+    entries = [(FILLS.get(k, FILLS["row"]), HATCHES.get(k, "" if k != "never" else ".."), labels[k].format(**names))
                for k in order if k in kinds or k == "done"]
     stride = lay.scene.spec.stride
     entries += [(PHASES[_phase_number(p, stride) % len(PHASES)], "", f"bar: phase {_c(p)}") for p in
@@ -601,7 +613,9 @@ def _frame_text(ax: Axes, lay: Layout, frame: Frame, t: dict[str, Any]) -> list:
     else:
         body = " + ".join(terms) if len(terms) <= 12 and letters else f"the sum of {len(terms)} products"
         more = f" + the same over {len(frame.channels) - 1} more channel(s)" if len(frame.channels) > 1 else ""
-        line = f"{name} = {body}{more} = {value}"
+        idle = sum(1 for d, k in frame.links if not (Frame.real(d) and Frame.real(k)))
+        rest = f"   ({idle} more products meet padding or zeros)" if idle else ""
+        line = f"{name} = {body}{more} = {value}{rest}"
     out.append(_text(ax, MARGIN, lay.rows["sum"], line[:120], FONT, va="top"))
     return out
 
