@@ -77,8 +77,10 @@ CASES = [
          "it, so its grad_input is zero (marked in grad_input's frames)."),
     _c("dilation-stride", "Beyond the guide", "Dilation together with stride", 9, 3,
        "gcd(s, d) = 2: half the phases of grad_input receive no tap at all.", stride=2, dilation=2, padding=1),
-    _t("output-padding-dilation", "Output padding with dilation > stride", 3, 2,
-       "output_padding may reach max(s, d) - 1 = 2 here.", stride=2, dilation=3, output_padding=2),
+    _t("output-padding-dilation", "Output padding with dilation > stride", 2, 2,
+       "output_padding may reach max(s, d) - 1 = 2 here: the last two rows get no tap (so does row 1, and row 4: "
+       "with gcd(2, 3) = 1 every phase has taps, but the taps are too few to reach every row).",
+       stride=2, dilation=3, output_padding=2),
     _c("groups-1", "Beyond the guide", "Groups from 1 to depthwise: groups=1", 5, 3, c=(4, 4), padding=1),
     _c("groups-2", "Beyond the guide", "Groups from 1 to depthwise: groups=2", 5, 3, c=(4, 4), padding=1, groups=2),
     _c("groups-4", "Beyond the guide", "Groups from 1 to depthwise: groups=4 (depthwise)", 5, 3, c=(4, 4), padding=1,
@@ -129,7 +131,7 @@ def page(cases: list[Case]) -> str:
     return "\n".join(lines)
 
 
-FRAMES = {"forward": 49, "grad_input": 25, "grad_weight": 16}  # the most frames per animation
+FRAMES = {"forward": 64, "grad_input": 25, "grad_weight": 16}  # the most frames per animation
 
 
 def build(out: Path, cases: list[Case], max_frames: int | None = None, progress: Any = None) -> list[Path]:

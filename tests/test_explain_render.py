@@ -20,6 +20,7 @@ from PIL import Image
 import convgrad
 from convgrad import cli
 from convgrad.explain import animation, render
+from convgrad.explain.symbols import used_symbols
 
 CONFIGS = {  # name -> (input_size, weight_size, kwargs of convgrad.explain)
     "1d-dilated": ((1, 1, 9), (1, 1, 3), dict(stride=2, dilation=2, padding=1)),
@@ -75,15 +76,32 @@ def test_frames_are_800_px_wide_with_text_of_9_px_and_cells_of_20_px(name: str) 
 
 @pytest.mark.parametrize("name", ["2d-groups", "2d-transposed", "1d-dilated"], ids=str)
 def test_colours_come_from_the_palette_and_stay_apart_for_colour_blind_eyes(name: str) -> None:
-    allowed = {c.upper() for c in (*render.FILLS.values(), *render.PHASES, *render.GROUP_COLOURS)}
     for lay, fig in _frame_figures(_recipe(name)):
-        fills = {to_hex(p.get_facecolor(), keep_alpha=False).upper() for p, _ in _cells(fig)}
-        assert fills <= allowed, fills - allowed
+        fills = {to_hex(p.get_facecolor(), keep_alpha=False) for ax in fig.axes for p in ax.patches
+                 if isinstance(p, Rectangle) and p.get_fill()}
+        assert all(_okabe_ito_tint_or_grey(c) for c in fills), [c for c in fills if not _okabe_ito_tint_or_grey(c)]
         legend = [(fill, hatch) for row in render._legend_rows(lay) for fill, hatch, _ in row if fill != "none"]
         plain = [f for f, hatch in legend if not hatch]  # hatched entries differ by their hatching too
         for n, a in enumerate(plain):
             for b in plain[n + 1:]:
                 assert min(_cvd_distance(a, b, kind) for kind in _CVD) >= 0.04, (a, b)
+
+
+OKABE_ITO = ["#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#000000"]
+
+
+def _okabe_ito_tint_or_grey(colour: str) -> bool:
+    """Whether a colour is one of Okabe and Ito's eight mixed with white (amount a in (0, 1]), or a grey."""
+    rgb = torch.tensor(to_rgb(colour), dtype=torch.float64)
+    if float(rgb.max() - rgb.min()) < 1e-9:
+        return True
+    for base in OKABE_ITO:
+        b = torch.tensor(to_rgb(base), dtype=torch.float64)
+        away = 1 - b  # tint = 1 - a * (1 - base)
+        a = float(((1 - rgb) * away).sum() / (away * away).sum())
+        if 0 < a <= 1 and float((1 - a * away - rgb).abs().max()) <= 1.5 / 255:
+            return True
+    return False
 
 
 # Machado, Oliveira and Fernandes (2009), severity 1: what protanopes, deuteranopes and tritanopes see, in linear RGB.
@@ -116,6 +134,21 @@ def test_the_legend_lists_what_is_drawn_and_only_that(name: str) -> None:
         assert legend <= drawn | bars | {render.FILLS["done"].upper()}, legend - drawn - bars
         groups = {c.upper() for c in render.GROUP_COLOURS}
         assert drawn - {"#FFFFFF"} - groups <= legend, drawn - legend  # white: cells not produced yet
+
+
+@pytest.mark.parametrize("name", ["2d-zero-insert", "2d-groups", "1d-dilated"], ids=str)
+def test_every_symbol_a_frame_uses_is_defined_once_in_its_caption(name: str) -> None:
+    recipe = _recipe(name)
+    for lay, fig in _frame_figures(recipe):
+        caption = " ".join(render._caption(lay))
+        words = " ".join(t.get_text() for t in fig.findobj(Text) if t.get_text() not in render._caption(lay))
+        for symbol, definition in used_symbols(words):
+            assert caption.count(f"{symbol}: {definition}") == 1, symbol
+    text = str(recipe)
+    body, symbols = text.split("\nsymbols:\n")
+    defined = [line.split()[0] for line in symbols.splitlines()]
+    assert defined == [s for s, _ in used_symbols(body) for s in [s.split()[0]]]  # exactly those the text uses
+    assert ("phase" in body) == ("phase" in defined)
 
 
 def _block_fills(ax: Any) -> list[str]:

@@ -29,7 +29,7 @@ from convgrad.backends.fwdconv_geometry import Cell
 from convgrad.backends.fwdconv_plan import Conv
 from convgrad.backends.fwdconv_steps import Spatially
 from convgrad.explain.frames import Frame, Index, Scene
-from convgrad.explain.symbols import SYMBOLS
+from convgrad.explain.symbols import used_symbols
 
 __all__ = ["DPI", "FILLS", "MIN_CELL_PX", "OKABE_ITO", "WIDTH_PX", "Layout", "draw", "frames_needed", "layout",
            "values"]
@@ -389,11 +389,17 @@ def _caption(lay: Layout) -> list[str]:
     parts = [f"{spec.describe()}; plan: {plan.method}" + (f" ({plan.reason})" if plan.reason else "")]
     if lay.note:
         parts.append("shown: " + lay.note)
-    if any(f.phase for f in lay.frames):
-        parts.append("phase rho: " + SYMBOLS["phase rho"][1].split(" is ", 1)[1])
     if lay.scene.gradient == "grad_weight" and spec.batch > 1:
         parts.append(f"one sample shown; grad_weight adds the same sum over all {spec.batch} samples")
+    words = " ".join([_title(lay.scene), _data_steps(lay.scene), *(["phase rho"] if any(f.phase for f in lay.frames)
+                                                                  else [])])
+    parts += [f"{name}: {definition}" for name, definition in used_symbols(words)]
     return textwrap.wrap(". ".join(parts), 118)
+
+
+def _title(scene: Scene) -> str:
+    return (f"{scene.result} {scene.result_shape} = conv of {scene.data} with {scene.kernel}"
+            f"{' flipped' if scene.flips else ''} as the kernel")
 
 
 # ---- drawing ------------------------------------------------------------------------------------------------------
@@ -435,9 +441,7 @@ def background(fig: Figure, lay: Layout, t: dict[str, Any], top: float = 0.0) ->
     ax.set_axis_off()
     ax.patch.set_visible(False)  # blocks stacked in one figure each have an axes over the whole of it
     sc = lay.scene
-    title = (f"{sc.result} {sc.result_shape} = conv of {sc.data} with {sc.kernel}"
-             f"{' flipped' if sc.flips else ''} as the kernel")
-    _text(ax, MARGIN, lay.rows["title"], title, 11, va="top", weight="bold")
+    _text(ax, MARGIN, lay.rows["title"], _title(sc), 11, va="top", weight="bold")
     _text(ax, MARGIN, lay.rows["title"] + 19, _data_steps(sc)[:118], FONT, va="top", color="#333333")
     data_channel = lay.frames[0].channels[0][0]
     never = _never_read(lay)
