@@ -80,7 +80,7 @@ def test_colours_come_from_the_palette_and_stay_apart_for_colour_blind_eyes(name
         fills = {to_hex(p.get_facecolor(), keep_alpha=False) for ax in fig.axes for p in ax.patches
                  if isinstance(p, Rectangle) and p.get_fill()}
         assert all(_okabe_ito_tint_or_grey(c) for c in fills), [c for c in fills if not _okabe_ito_tint_or_grey(c)]
-        legend = [(fill, hatch) for row in render._legend_rows(lay) for fill, hatch, _ in row if fill != "none"]
+        legend = [(fill, hatch) for row in render.legend_rows(lay) for fill, hatch, _ in row if fill != "none"]
         plain = [f for f, hatch in legend if not hatch]  # hatched entries differ by their hatching too
         for n, a in enumerate(plain):
             for b in plain[n + 1:]:
@@ -127,7 +127,7 @@ def _cvd_distance(a: str, b: str, kind: str) -> float:
 @pytest.mark.parametrize("name", ["2d-zero-insert", "2d-groups", "3d-transposed"], ids=str)
 def test_the_legend_lists_what_is_drawn_and_only_that(name: str) -> None:
     for lay, fig in _frame_figures(_recipe(name)):
-        legend = {f.upper() for row in render._legend_rows(lay) for f, _, _ in row if f != "none"}
+        legend = {f.upper() for row in render.legend_rows(lay) for f, _, _ in row if f != "none"}
         drawn = {to_hex(p.get_facecolor(), keep_alpha=False).upper() for p, side in _cells(fig) if side > 20}
         bars = {to_hex(p.get_facecolor(), keep_alpha=False).upper() for ax in fig.axes for p in ax.patches
                 if isinstance(p, Rectangle) and p.get_fill() and p.get_height() < p.get_width()}
@@ -140,8 +140,8 @@ def test_the_legend_lists_what_is_drawn_and_only_that(name: str) -> None:
 def test_every_symbol_a_frame_uses_is_defined_once_in_its_caption(name: str) -> None:
     recipe = _recipe(name)
     for lay, fig in _frame_figures(recipe):
-        caption = " ".join(render._caption(lay))
-        words = " ".join(t.get_text() for t in fig.findobj(Text) if t.get_text() not in render._caption(lay))
+        caption = " ".join(render.caption(lay))
+        words = " ".join(t.get_text() for t in fig.findobj(Text) if t.get_text() not in render.caption(lay))
         for symbol, definition in used_symbols(words):
             assert caption.count(f"{symbol}: {definition}") == 1, symbol
     text = str(recipe)
@@ -165,7 +165,7 @@ def test_strided_plot_draws_the_phases_and_zero_insert_the_zeros() -> None:
     bars = [{to_hex(p.get_facecolor(), keep_alpha=False).upper() for p in ax.patches
              if isinstance(p, Rectangle) and p.get_fill() and p.get_height() < p.get_width()} for ax in blocks]
     assert all({c.upper() for c in render.PHASES[:4]} <= b for b in bars)
-    phases = [t.get_text() for ax in blocks for t in ax.texts if t.get_text().startswith("phase rho")]
+    phases = [t.get_text() for ax in blocks for t in ax.texts if t.get_text().startswith("phase rho = ")]
     assert len(set(phases)) == 4
     zero = render.FILLS["zero"].upper()
     assert zero not in {c for ax in fig.axes for c in _block_fills(ax)}
@@ -206,7 +206,7 @@ def test_a_big_layer_is_bounded_and_says_so(tmp_path: Path) -> None:
     for gradient in ("forward", "grad_input", "grad_weight"):
         lay = render.layout(recipe.scene(gradient), 40)
         assert len(lay.frames) <= 40 and "the top-left corner of the result" in lay.note
-        assert any(line.startswith("shown: ") or "shown: " in line for line in render._caption(lay))
+        assert any(line.startswith("shown: ") or "shown: " in line for line in render.caption(lay))
     lay = render.layout(recipe.scene("grad_weight"), 40)  # every cell reads all of the input: clip it too
     assert "of 24 shown" in lay.note and "rows per dim of input and grad_output" in lay.note
     with Image.open(recipe.animate(tmp_path / "big.gif", max_frames=6)) as gif:
@@ -260,9 +260,9 @@ def test_cli_animates_and_writes_html_with_a_chosen_method(tmp_path: Path, capsy
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--method", "nope"], "explain: method='nope' must be None or one of"),
-    (["--method", "subpixel", "--dilation", "2"], "explain: input_method='subpixel' cannot serve"),
-    (["--method", "blocks", "--stride", "2"], "explain: weight_method='blocks' cannot serve"),
+    (["--method", "nope"], "method='nope' must be None or one of"),
+    (["--method", "subpixel", "--dilation", "2"], "input_method='subpixel' cannot serve"),
+    (["--method", "blocks", "--stride", "2"], "weight_method='blocks' cannot serve"),
     (["--method", "taps", "--weight-method", "kernel"], "disagree"),
     (["--max-frames", "2", "--animate", "x.gif"], "max_frames=2 must be at least one frame per gradient"),
 ])
