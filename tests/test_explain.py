@@ -328,7 +328,7 @@ def test_cli_code_prints_a_runnable_script(capsys: Any) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--input", "2,4,9", "--weight", "4,3,3", "--groups", "2"], "explain: weight.shape=(4, 3, 3) with groups=2"),
+    (["--input", "2,4,9", "--weight", "4,3,3", "--groups", "2"], "error: weight.shape=(4, 3, 3) with groups=2"),
     (["--input", "2,4,9,9", "--weight", "4,4,3,3", "--transposed", "--padding", "same"], "not defined"),
     (["--input", "2,4,9", "--weight", "4,4,3", "--dtype", "int8"], "native_backend: dtype=torch.int8"),
 ])
