@@ -1,4 +1,4 @@
-"""`convgrad bench` and its layer suites: a smoke run writes every report; the suites are what issue 4 lists."""
+"""`convgrad bench` and its layer suites: a smoke run writes every report; the suites hold the layers asked for."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from convgrad import cli
 from convgrad.cli.bench import layers, report, timing
 
-REQUIRED = {  # issue 4: layer name -> network
+REQUIRED = {  # the default suite: layer name -> network
     "resnet50.stem7x7s2": "ResNet-50", "resnet50.3x3@56": "ResNet-50", "resnet50.3x3@28": "ResNet-50",
     "resnet50.3x3@14": "ResNet-50", "resnet50.3x3@7": "ResNet-50", "resnet50.3x3s2": "ResNet-50",
     "resnet50.1x1reduce": "ResNet-50", "resnet50.1x1expand": "ResNet-50", "resnet50.1x1s2down": "ResNet-50",
@@ -61,11 +61,16 @@ def test_smoke_run_writes_json_markdown_and_a_chart(tmp_path: Any) -> None:
             assert row["ratio_to_native"] == 1.0
         if row["backend"] == "auto":
             assert row["auto_choice"] in ("native", "fwdconv", "gemm", *(("split",) if row["task"] == "both" else ()))
+        assert len(row["forward_samples_ms"]) == 3 and row["forward_ms"] > 0
+        assert row["x_forward"] > 0 and row["x_forward_iqr"] >= 0 and row["ratio_iqr"] >= 0
     assert {s["backend"] for s in data["summary"]} == {"native", "fwdconv", "gemm", "auto"}
-    assert any(t["goal"].startswith("gemm float64") and t["met"] is not None for t in data["targets"])
+    assert all(s["geomean_x_forward"] > 0 for s in data["summary"])
+    assert "targets" not in data
     md = (out / "results.md").read_text()
-    assert "| layer | dtype | backend |" in md and "Targets (issue 4)" in md
-    assert (out / "ratios_float32.png").stat().st_size > 0 and (out / "ratios_float64.png").stat().st_size > 0
+    assert "| layer | dtype | backend | fwd ms |" in md and "both x fwd ± IQR" in md
+    for name in ("ratios", "forward"):
+        for dtype in ("float32", "float64"):
+            assert (out / f"{name}_{dtype}.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -84,11 +89,83 @@ def test_geomean() -> None:
 
 
 def test_rounds_time_each_task_back_to_back_and_rotate() -> None:
-    """Every (backend, task) once per round; a task's backends adjacent (the ratios compare them); orders rotate."""
+    """Every (backend, task) once per round; a task's backends adjacent (the ratios compare them), native's forward
+    right before "both"; orders rotate."""
     backends = ["native", "fwdconv", "gemm", "auto"]
     orders = [timing._round_order(backends, r) for r in range(12)]
     for order in orders:
-        assert sorted(order) == sorted([(b, t) for b in backends for t in timing.TASKS] + [("matmul", "")])
-        tasks = [t for _, t in order[:-1]]
+        assert sorted(order) == sorted([(b, t) for b in backends for t in timing.TASKS]
+                                       + [("matmul", ""), timing.FORWARD])
+        at = order.index(timing.FORWARD)
+        assert {t for _, t in order[at + 1:at + 1 + len(backends)]} == {"both"}
+        tasks = [t for key, t in order[:-1] if key != timing.FORWARD[0]]
         assert all(len(set(tasks[i:i + len(backends)])) == 1 for i in range(0, len(tasks), len(backends)))
-    assert {o[0] for o in orders} == {(b, t) for b in backends for t in timing.TASKS}  # everyone goes first
+    firsts = {(b, t) for b in backends for t in timing.TASKS if t != "both"} | {timing.FORWARD}
+    assert {o[0] for o in orders} == firsts  # every task and every backend goes first in some round
+
+
+def test_slow_suite_holds_the_layers_users_report_slow_and_all_holds_both() -> None:
+    slow = {layer.name: layer for layer in layers.SUITES["slow"]}
+    spec = {name: layer.spec() for name, layer in slow.items()}
+    assert all(layer.network and layer.where for layer in slow.values())
+    depthwise = {n for n, s in spec.items() if s.groups == s.in_channels == s.out_channels}
+    assert {n for n in depthwise if spec[n].n == 3} >= {"csn.dw3x3x3", "x3d.dw3x3x3s2"}
+    assert {n for n in depthwise if spec[n].n == 1} >= {"conformer.dw31", "convtasnet.dw3d8"}
+    assert spec["convnext.dw7x7"].kernel_size == (7, 7) and "convnext.dw7x7" in depthwise
+    assert spec["efficientnet.dw5x5s2"].kernel_size == (5, 5) and spec["efficientnet.dw5x5s2"].stride == (2, 2)
+    grouped = [s for s in spec.values() if s.n == 3 and 1 < s.groups < s.in_channels]
+    assert grouped and all(s.in_channels // s.groups == 8 for s in grouped)
+    assert layers.SUITES["all"] == layers.SUITES["default"] + layers.SUITES["slow"]
+    assert [layer.name for layer in layers.SUITES["default"]] == list(REQUIRED)  # the 20 layers, unchanged
+
+
+def _timing(forward: list[float], native: list[float], other: list[float]) -> timing.LayerTiming:
+    layer = layers.SUITES["smoke"][0]
+    samples = {(b, t): timing.Sample(list(s)) for b, s in (("native", native), ("gemm", other)) for t in timing.TASKS}
+    return timing.LayerTiming(layer, "float32", 8, timing.Sample([1e-3] * len(forward)), samples,
+                              forward=timing.Sample(forward))
+
+
+def test_multiples_of_the_forward_pair_each_round_with_its_own_forward() -> None:
+    """x fwd is the median of per-round ratios (not a ratio of medians, which load in one round would skew)."""
+    r = _timing(forward=[1.0, 2.0, 4.0], native=[2.0, 2.0, 8.0], other=[3.0, 8.0, 4.0])
+    assert r.x_forward("native") == pytest.approx(2.0)  # ratios 2, 1, 2 (medians: 2 / 2 = 1)
+    assert r.x_forward("gemm") == pytest.approx(3.0)  # ratios 3, 4, 1 (medians: 4 / 2 = 2)
+    assert r.x_forward_iqr("gemm") == pytest.approx(3.5 - 2.0)
+    assert r.ratio("gemm", "both") == pytest.approx(1.5)  # ratios 1.5, 4, 0.5
+    assert r.ratio_iqr("gemm", "both") == pytest.approx(2.75 - 1.0)  # quartiles, inclusive method
+
+
+def test_list_prints_the_layers_and_times_nothing(capsys: Any, tmp_path: Any) -> None:
+    out = tmp_path / "never"
+    assert cli.main(["bench", "--list", "--suite", "all", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert all(name in text for name in ("default", "slow", "all", "smoke"))
+    for layer in layers.SUITES["all"]:
+        assert layer.name in text and layer.network in text
+    assert not out.exists()
+    assert cli.main(["bench", "--list", "--dtype", "float64"]) == 0
+    listed = capsys.readouterr().out
+    assert all((layer.name in listed) == layer.float64 for layer in layers.SUITES["default"])
+
+
+def test_printed_tables_are_whole_in_a_pipe_and_name_no_targets(tmp_path: Any) -> None:
+    """Piped, rich used to squeeze the table into 80 columns ("resne…"); the summary showed goals and a red NO."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-m", "convgrad", "bench", "--suite", "smoke", "--layers", "resnet50.*",
+                           "wav2vec2.*", "--backends", "gemm", "--repeats", "2", "--min-time", "0", "--threads", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "…" not in text
+    for name in ("resnet50.3x3s2", "resnet50.1x1s2down", "wav2vec2.k10s5", "both x fwd ± IQR", "geomean x fwd"):
+        assert name in text
+    assert max(len(line) for line in text.splitlines()) > 80
+    lowered = text.lower()
+    assert "issue" not in lowered and "target" not in lowered and "goal" not in lowered and " no " not in lowered
+    md = (tmp_path / "results.md").read_text().lower()
+    assert "issue" not in md and "target" not in md

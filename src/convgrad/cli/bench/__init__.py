@@ -1,10 +1,12 @@
 """`convgrad bench`: time every backend against native on a suite of real layers.
 
-For each layer of the suite (``convgrad.cli.bench.layers``) and each dtype, grad_input,
-grad_weight and both together are timed for every backend, with native always included and
-interleaved in the same rounds, next to a matmul of equal FLOPs (``convgrad.cli.bench.timing``).
-The command prints rich tables and writes ``results.json``, ``results.md`` and one
-``ratios_<dtype>.png`` per dtype into ``--out`` (``convgrad.cli.bench.report``). The CPU model,
+For each layer of the suite (``convgrad.cli.bench.layers``; ``--list`` prints them) and each dtype,
+grad_input, grad_weight and both together are timed for every backend, with native always included
+and interleaved in the same rounds, next to native's forward convolution and a matmul of equal FLOPs
+(``convgrad.cli.bench.timing``). Each backend's time is reported as a ratio to native's and as a
+multiple of the forward. The command prints rich tables (in full, also when its output is not a
+terminal) and writes ``results.json``, ``results.md``, ``ratios_<dtype>.png`` and
+``forward_<dtype>.png`` into ``--out`` (``convgrad.cli.bench.report``). The CPU model,
 core and thread counts (or the GPU) are recorded with every result. On CUDA, native is cuDNN and
 TF32 is switched off, so float32 means float32.
 
@@ -43,7 +45,10 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options (all have defaults)."""
-    parser.add_argument("--suite", default="default", help="suite of layers: default or smoke (default: default)")
+    parser.add_argument("--suite", default="default",
+                        help="suite of layers: default, slow (layers users report slow), all (both) or smoke "
+                             "(default: default)")
+    parser.add_argument("--list", action="store_true", help="print the layers the run would time, then exit")
     parser.add_argument("--layers", nargs="+", metavar="PATTERN", help="only layers whose name matches a glob")
     parser.add_argument("--backends", nargs="+", metavar="NAME",
                         help=f"backends to time besides native (default: those of {', '.join(DEFAULT_BACKENDS)} "
@@ -141,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
     from convgrad.cli.bench.layers import select
     from convgrad.cli.bench.timing import time_layer
 
+    if args.list:
+        _list(args)
+        return 0
     backends = _check(args)
     device = _device(args.device)
     malloc = keep_malloc() if args.malloc == "keep" else "system"
@@ -152,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(quiet=args.quiet)
     results = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=args.quiet) as progress:
+    with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
         bar = progress.add_task("bench", total=len(work) * args.repeats)
         for layer, dtype in work:
             progress.update(bar, description=f"{layer.name} {dtype}")
@@ -167,8 +175,22 @@ def run(args: argparse.Namespace) -> int:
     report.to_markdown(results, meta, args.out / "results.md")
     pngs = report.write_plots(results, args.out)
     _print(console, results, meta)
-    console.print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}, {', '.join(map(str, pngs))}")
+    console.print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}, {', '.join(map(str, pngs))}",
+                  soft_wrap=True)
     return 0
+
+
+def _list(args: argparse.Namespace) -> None:
+    """Print the suites, then every layer a run with these options would time (per dtype)."""
+    from convgrad.cli.bench.layers import SUITES, select
+
+    print("suites: " + ", ".join(f"{name} ({len(layers)} layers)" for name, layers in SUITES.items()))
+    for dtype in args.dtype:
+        picked = select(args.suite, args.layers, dtype)
+        print(f"suite {args.suite!r}, {dtype}: {len(picked)} layers")
+        for layer in picked:
+            print(f"  {layer.name:22s} {layer.network:22s} {layer.where}: {layer.spec().describe()}, "
+                  f"{layer.gflop():.2f} GFLOP per gradient")
 
 
 def _print(console: Any, results: list[Any], meta: dict[str, Any]) -> None:
@@ -177,18 +199,16 @@ def _print(console: Any, results: list[Any], meta: dict[str, Any]) -> None:
     from convgrad.cli.bench import report
 
     console.print(f"{meta['device_model']} ({meta['device']}), {meta['cores']} cores, {meta['threads']} threads, "
-                  f"torch {meta['torch']}, auto mode {meta['auto_mode']}")
+                  f"torch {meta['torch']}, auto mode {meta['auto_mode']}", soft_wrap=True)
     header, body = report.table_rows(results)
-    table = Table(*header, title="median ms ± IQR (ratio to native)")
+    table = Table(*header, title="median ms ± IQR; ratios to native's backward (x native) and to native's forward "
+                                 "(x fwd), median over rounds ± IQR")
     for row in body:
         table.add_row(*row)
-    console.print(table)
-    summ = Table("dtype", "backend", "task", "geomean x native", "max (layer)", title="geometric means over layers")
-    for s in report.summary(results):
-        summ.add_row(s["dtype"], s["backend"], s["task"], f"{s['geomean_ratio']:.3f}",
-                     f"{s['max_ratio']:.3f} ({s['worst_layer']})")
-    console.print(summ)
-    goals = Table("goal", "measured", "met", title="targets (issue 4)")
-    for goal, measured, ok in report.targets(results):
-        goals.add_row(goal, measured, "-" if ok is None else "yes" if ok else "NO")
-    console.print(goals)
+    summ = Table(*report.SUMMARY_HEADER, title="geometric means over layers")
+    for row in report.summary_rows(results):
+        summ.add_row(*row)
+    for t in (table, summ):
+        if not console.is_terminal:  # a terminal wraps cells to its width; a file or a pipe gets every cell whole
+            console.width = max(console.measure(t, options=console.options.update_width(2**16)).maximum, 80)
+        console.print(t)

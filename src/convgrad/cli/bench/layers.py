@@ -1,9 +1,16 @@
 """Named suites of real convolution layers, each labelled with the network it comes from.
 
-Batch sizes are chosen so that one backward (grad_input and grad_weight) by the native backend
-takes roughly 10 to 500 ms on a 2-core AVX-512 CPU in float32. Every layer runs in float32; the
-layers marked ``float64`` form the float64 subset. ``SUITES["smoke"]`` holds tiny versions of a
-few of them for tests. ``benchmarks/layers.py`` prints the suites.
+* ``default``: 20 layers of common image, audio and video networks. Batch sizes are chosen so that one
+  backward (grad_input and grad_weight) by the native backend takes roughly 10 to 500 ms on a 2-core
+  AVX-512 CPU in float32.
+* ``slow``: layers whose backward PyTorch users report slow on the CPU: depthwise and grouped 3d
+  convs (channel-separated video networks), large and strided depthwise kernels (ConvNeXt,
+  EfficientNet) and 1d depthwise convs (speech). Batches are sized so that native's forward takes at
+  least 5 ms there: below that, the fixed cost of a call dominates every ratio to the forward.
+* ``all``: both. ``smoke``: tiny versions of a few layers, for tests.
+
+Every layer runs in float32; the layers marked ``float64`` form the float64 subset.
+``convgrad bench --list`` (or ``benchmarks/layers.py``) prints the suites.
 
 Examples:
     >>> from convgrad.cli.bench.layers import SUITES
@@ -101,21 +108,46 @@ DEFAULT: tuple[Layer, ...] = (
 )
 
 
+_SLOW: tuple[Layer, ...] = (
+    _conv("csn.dw3x3x3", "ir-CSN-152", "channel-separated 3x3x3 (depthwise)", 4, 64, 64, (16, 28, 28), 3,
+          padding=1, groups=64, float64=True),
+    _conv("csn.g8x3x3x3", "CSN-style grouped", "3x3x3 in 8 groups of 8 channels", 4, 64, 64, (16, 28, 28), 3,
+          padding=1, groups=8, float64=True),
+    _conv("resnext3d.g32", "3D ResNeXt-101 32x4d", "layer2 conv2 (8 channels per group)", 2, 256, 256, (8, 28, 28),
+          3, padding=1, groups=32),
+    _conv("x3d.dw3x3x3s2", "X3D-M", "res4 block 1 depthwise, stride (1, 2, 2)", 2, 216, 216, (16, 28, 28), 3,
+          stride=(1, 2, 2), padding=1, groups=216),
+    _conv("convnext.dw7x7", "ConvNeXt-T", "stage 1 depthwise 7x7", 8, 96, 96, (56, 56), 7, padding=3, groups=96,
+          float64=True),
+    _conv("efficientnet.dw5x5s2", "EfficientNet-B0", "stage 3 block 1 depthwise 5x5, stride 2", 8, 144, 144,
+          (56, 56), 5, stride=2, padding=2, groups=144),
+    _conv("conformer.dw31", "Conformer-M", "convolution module depthwise, k 31", 4, 256, 256, (500,), 31,
+          padding=15, groups=256, float64=True),
+    _conv("convtasnet.dw3d8", "Conv-TasNet", "TCN block depthwise, dilation 8", 2, 512, 512, (3999,), 3,
+          padding=8, dilation=8, groups=512),
+)
+
+
 def _shrink(layer: Layer) -> Layer:
-    """A tiny version with the same geometry: batch 1, at most 4 groups of at most 8 channels, at most 40 wide."""
+    """A tiny version with the same geometry: batch 1, at most 4 groups of at most 8 channels, at most 40 wide
+    (10 in 3d)."""
     g = min(layer.groups, 4)
     spec = layer.spec()
     in_g, out_g = min(spec.in_channels // spec.groups, 8), min(spec.out_channels // spec.groups, 8)
     k = layer.weight_shape[2:]
     weight = (g * in_g, out_g, *k) if layer.transposed else (g * out_g, in_g, *k)
-    size = tuple(min(s, 40) for s in layer.input_shape[2:])
+    wide = 40 if len(k) < 3 else 10
+    size = tuple(min(s, wide) for s in layer.input_shape[2:])
     return replace(layer, input_shape=(1, g * in_g, *size), weight_shape=weight, groups=g)
 
 
 SUITES: dict[str, tuple[Layer, ...]] = {
     "default": DEFAULT,
+    "slow": _SLOW,
+    "all": DEFAULT + _SLOW,
     "smoke": tuple(_shrink(layer) for layer in DEFAULT if layer.name in {
-        "resnet50.3x3s2", "resnet50.1x1s2down", "mobilenetv2.dw3x3", "wav2vec2.k10s5", "dcgan.convT4x4s2"}),
+        "resnet50.3x3s2", "resnet50.1x1s2down", "mobilenetv2.dw3x3", "wav2vec2.k10s5", "dcgan.convT4x4s2"})
+    + tuple(_shrink(layer) for layer in _SLOW if layer.name in {"csn.g8x3x3x3", "efficientnet.dw5x5s2"}),
 }
 
 

@@ -1,12 +1,15 @@
-"""Timing for `convgrad bench`: every backend, interleaved with native and a matmul of equal FLOPs.
+"""Timing for `convgrad bench`: every backend, interleaved with native's forward, native and a matmul of equal FLOPs.
 
-For each layer and dtype, every (backend, task) pair and the reference matmul are timed with
-``torch.utils.benchmark.Timer`` once per round. Within a round the backends of one task are timed
-one right after another, since every ratio compares two of them on the same task; the order of
-the tasks and of the backends rotates from round to round, so that load on a shared machine hits
-all of them alike. Each sample is the mean of enough calls to last
-``min_time`` seconds; the report uses the median and the interquartile range of the samples.
-Tasks: ``grad_input``, ``grad_weight`` and ``both`` (one ``Backend.backward`` call). The
+For each layer and dtype, every (backend, task) pair, native's forward convolution and the reference
+matmul are timed with ``torch.utils.benchmark.Timer`` once per round. Within a round the backends of
+one task are timed one right after another, since every ratio compares two of them on the same task;
+the forward is timed right before the backends' ``both``, to which it is compared. The order of the
+tasks and of the backends rotates from round to round, so that load on a shared machine hits all of
+them alike. Each sample is the mean of enough calls to last ``min_time`` seconds; the report uses the
+median and the interquartile range of the samples, and of the ratios within a round.
+Tasks: ``grad_input``, ``grad_weight`` and ``both`` (one ``Backend.backward`` call). The forward is
+the bar a backward is measured against: grad_input and grad_weight each do one forward's
+multiply-adds, so a backward that runs at its forward's efficiency takes 2x the forward. The
 matmul is ``torch.matmul`` of two m x m matrices with 2*m^3 ~= the FLOPs of one gradient: the
 machine's dense throughput, measured in the same run, is the reference for the physical limit.
 """
@@ -22,12 +25,13 @@ from typing import Any
 import torch
 from torch.utils import benchmark
 
-from convgrad.backends import get_backend
+from convgrad.backends import get_backend, native
 from convgrad.cli.bench.layers import Layer
 
-__all__ = ["TASKS", "LayerTiming", "Sample", "time_layer"]
+__all__ = ["FORWARD", "TASKS", "LayerTiming", "Sample", "time_layer"]
 
 TASKS = ("grad_input", "grad_weight", "both")
+FORWARD = ("forward", "")  # the key of native's forward convolution among the timed calls
 
 
 @dataclass
@@ -43,10 +47,15 @@ class Sample:
     @property
     def iqr(self) -> float:
         """Interquartile range (0 with fewer than 2 samples)."""
-        if len(self.seconds) < 2:
-            return 0.0
-        q = statistics.quantiles(self.seconds, n=4, method="inclusive")
-        return q[2] - q[0]
+        return _iqr(self.seconds)
+
+
+def _iqr(values: list[float]) -> float:
+    """Interquartile range (0 with fewer than 2 values)."""
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[2] - q[0]
 
 
 @dataclass
@@ -58,6 +67,7 @@ class LayerTiming:
     matmul_size: int
     matmul: Sample
     samples: dict[tuple[str, str], Sample]  # (backend, task) -> samples
+    forward: Sample = field(default_factory=Sample)  # native's forward convolution
     auto_choice: dict[str, str] = field(default_factory=dict)  # gradient -> backend chosen by auto
 
     def median(self, backend: str, task: str) -> float:
@@ -67,8 +77,26 @@ class LayerTiming:
         """Time relative to the reference backend's (native's by default): the median over rounds of the ratio
         within each round. Both were timed moments apart in every round, so load that comes and goes over a
         run cancels out of each ratio instead of landing on whichever backend it happened to hit."""
+        return statistics.median(self._ratios(backend, task, reference))
+
+    def ratio_iqr(self, backend: str, task: str, reference: str = "native") -> float:
+        """The interquartile range of the per-round ratios that ``ratio`` takes the median of."""
+        return _iqr(self._ratios(backend, task, reference))
+
+    def x_forward(self, backend: str, task: str = "both") -> float:
+        """Time as a multiple of native's forward: the median over rounds of the ratio within each round."""
+        return statistics.median(self._over_forward(backend, task))
+
+    def x_forward_iqr(self, backend: str, task: str = "both") -> float:
+        """The interquartile range of the per-round ratios that ``x_forward`` takes the median of."""
+        return _iqr(self._over_forward(backend, task))
+
+    def _ratios(self, backend: str, task: str, reference: str) -> list[float]:
         ours, ref = self.samples[(backend, task)].seconds, self.samples[(reference, task)].seconds
-        return statistics.median(a / b for a, b in zip(ours, ref, strict=True))
+        return [a / b for a, b in zip(ours, ref, strict=True)]
+
+    def _over_forward(self, backend: str, task: str) -> list[float]:
+        return [a / b for a, b in zip(self.samples[(backend, task)].seconds, self.forward.seconds, strict=True)]
 
     def gflops(self, backend: str, task: str) -> float:
         flop = self.layer.gflop() * (2 if task == "both" else 1)
@@ -112,9 +140,14 @@ def _number(timer: benchmark.Timer, min_time: float) -> int:
 
 
 def _round_order(backends: list[str], r: int) -> list[tuple[str, str]]:
-    """Round r's order: task by task (rotated), each task's backends (rotated) back to back, then the matmul."""
+    """Round r's order: task by task (rotated), each task's backends (rotated) back to back, native's forward right
+    before "both", then the matmul."""
     b, t = r % len(backends), r % len(TASKS)
-    return [(name, task) for task in TASKS[t:] + TASKS[:t] for name in backends[b:] + backends[:b]] + [("matmul", "")]
+    order: list[tuple[str, str]] = []
+    for task in TASKS[t:] + TASKS[:t]:
+        order += [FORWARD] if task == "both" else []
+        order += [(name, task) for name in backends[b:] + backends[:b]]
+    return [*order, ("matmul", "")]
 
 
 def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.device, threads: int, repeats: int,
@@ -128,9 +161,10 @@ def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.devi
         m = max(1, round((layer.spec().macs()) ** (1 / 3)))
         a, c = torch.randn(m, m, dtype=torch_dtype, device=device), torch.randn(m, m, dtype=torch_dtype, device=device)
         fns[("matmul", "")] = lambda: torch.matmul(a, c)
+        fns[FORWARD] = lambda: native.forward(t["spec"], t["input"], t["weight"], None)
         timers = {key: _timer(fn, threads) for key, fn in fns.items()}
         numbers = {key: _number(timer, min_time) for key, timer in timers.items()}  # first calls also tune auto
-        result = LayerTiming(layer, dtype, m, Sample(), {key: Sample() for key in fns if key[0] != "matmul"})
+        result = LayerTiming(layer, dtype, m, Sample(), {key: Sample() for key in fns if key[1]})
         if "auto" in names:
             from convgrad.backends import auto
 
@@ -140,5 +174,6 @@ def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.devi
         for r in range(repeats):
             for key in _round_order(names, r):
                 seconds = timers[key].timeit(numbers[key]).mean
-                (result.matmul if key[0] == "matmul" else result.samples[key]).seconds.append(seconds)
+                sample = {"matmul": result.matmul, "forward": result.forward}.get(key[0]) if not key[1] else None
+                (sample or result.samples[key]).seconds.append(seconds)
             yield result
