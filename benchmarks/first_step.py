@@ -13,8 +13,12 @@ CPU time (all threads) is reported beside wall time: on a machine shared with ot
 steadier measure of the work done, best with ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP threads then
 sleep instead of spinning, which otherwise counts as CPU time and slows everything down).
 
+``--paired N`` also compares steady steps within one process: the model under ``convgrad.patch``
+(its choices settled by 30 warm-up steps) against an unpatched copy, N interleaved rounds, the
+median of the per-round ratios and their IQR.
+
 Usage:
-    PYTHONPATH=src python benchmarks/first_step.py --threads 2
+    PYTHONPATH=src python benchmarks/first_step.py --threads 2 --paired 15
     PYTHONPATH=src python benchmarks/first_step.py --models demo --steps 20
 """
 
@@ -67,24 +71,12 @@ def resnet18() -> nn.Module:
 
 def _setup(name: str) -> tuple[nn.Module, Any]:
     """The model and a function running one training step (forward, loss, backward, SGD update)."""
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     if name == "demo":
         from convgrad.cli import _demo_train as demo
 
-        model: nn.Module = demo.DigitsNet(nn)
-        x, y = torch.rand(demo.BATCH, 1, 8, 8, generator=g), torch.randint(0, 10, (demo.BATCH,), generator=g)
-        loss = lambda: demo._loss(model, x, y)  # noqa: E731
-    else:
-        model = resnet18()
-        x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
-        loss = lambda: F.cross_entropy(model(x), y)  # noqa: E731
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss().backward()
-        opt.step()
-    return model, step
+        return _setup_for(name, demo.DigitsNet(nn))
+    return _setup_for(name, resnet18())
 
 
 def worker(name: str, run: str, steps: int, threads: int) -> dict[str, Any]:
@@ -110,6 +102,53 @@ def worker(name: str, run: str, steps: int, threads: int) -> dict[str, Any]:
     return out
 
 
+def paired(name: str, rounds: int, threads: int, warmup: int = 30) -> dict[str, Any]:
+    """Steady steps of the patched model over plain torch's, interleaved in one process."""
+    import copy
+
+    import convgrad as cg
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model, plain_step = _setup(name)
+    twin = copy.deepcopy(model)
+    _, patched_step = _setup_for(name, cg.patch(twin))
+    for _ in range(warmup):  # tuning, then the comparisons that settle each choice
+        patched_step()
+    plain_step()
+    ratios = []
+    for r in range(rounds):
+        order = (plain_step, patched_step) if r % 2 == 0 else (patched_step, plain_step)
+        times = {}
+        for fn in order:
+            start = time.perf_counter()
+            fn()
+            times[fn] = time.perf_counter() - start
+        ratios.append(times[patched_step] / times[plain_step])
+    q = statistics.quantiles(ratios, n=4)
+    return {"model": name, "ratio": statistics.median(ratios), "iqr": (q[0], q[2]), "rounds": rounds}
+
+
+def _setup_for(name: str, model: nn.Module) -> tuple[nn.Module, Any]:
+    """A training step of an existing model (as _setup builds it), with its own optimizer and the same data."""
+    g = torch.Generator().manual_seed(0)
+    if name == "demo":
+        from convgrad.cli import _demo_train as demo
+
+        x, y = torch.rand(demo.BATCH, 1, 8, 8, generator=g), torch.randint(0, 10, (demo.BATCH,), generator=g)
+        loss = lambda: demo._loss(model, x, y)  # noqa: E731
+    else:
+        x, y = torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
+        loss = lambda: F.cross_entropy(model(x), y)  # noqa: E731
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss().backward()
+        opt.step()
+    return model, step
+
+
 def run_one(name: str, run: str, args: argparse.Namespace, cache: Path) -> dict[str, Any]:
     env = {**os.environ, "CONVGRAD_AUTOTUNE_CACHE": "0", "CONVGRAD_AUTOTUNE": "tune"}
     if run == "warm":
@@ -130,10 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="steady steps after the first (default 5)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--paired", type=int, default=0, metavar="N", help="also N paired rounds of steady steps")
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
+    p.add_argument("--paired-worker", metavar="MODEL", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(*args.worker, args.steps, args.threads)))
+        return 0
+    if args.paired_worker:
+        print(json.dumps(paired(args.paired_worker, args.paired, args.threads)))
         return 0
     print("| model | run | first step (s) | steady step (s) | first - plain's first (s) | first step CPU (s) | "
           "steady step CPU (s) | first - plain's first, CPU (s) | configurations tuned |")
@@ -155,6 +199,17 @@ def main(argv: list[str] | None = None) -> int:
             extra_cpu = f"{r['first_cpu_s'] - plain['first_cpu_s']:+.2f}" if "first_cpu_s" in plain else ""
             print(f"| {name} | {run} | {r['first_s']:.2f} | {r['steady_s']:.3f} | {extra} | {r['first_cpu_s']:.2f} | "
                   f"{r['steady_cpu_s']:.3f} | {extra_cpu} | {r.get('tuned', '')} |")
+    for name in args.models if args.paired else ():
+        env = {**os.environ, "CONVGRAD_AUTOTUNE_CACHE": "0", "CONVGRAD_AUTOTUNE": "tune"}
+        proc = subprocess.run([sys.executable, __file__, "--paired-worker", name, "--paired", str(args.paired),
+                               "--threads", str(args.threads)], capture_output=True, text=True, env=env,
+                              timeout=args.timeout)
+        if proc.returncode != 0:
+            print(f"{name} paired: error: {(proc.stderr.strip().splitlines() or ['(no output)'])[-1]}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"{name}: steady step under convgrad.patch / plain torch = {r['ratio']:.3f} "
+              f"(IQR {r['iqr'][0]:.3f}-{r['iqr'][1]:.3f}, {r['rounds']} paired rounds)")
     return 0
 
 

@@ -7,8 +7,10 @@ Like ``torch.backends.cudnn.benchmark``: the first time a (configuration, gradie
 memory format, thread count) is seen, batch sizes counted up to the next power of two, the
 candidates are tuned by ``convgrad.backends.auto_tuning``. Each runs on a slice of the batch (an
 eighth, at least 4 samples): once as a probe checked against native (one that disagrees is never
-chosen), once timed. Those over 2x the fastest there are dropped. The fastest runs from then on;
-when others survived, the calls that follow compare them on the whole batch, each in turn twice
+chosen), once timed. Those over 2x the fastest there are dropped, native never: a slice can
+misrank the options (per-sample speeds move with the batch), so native always takes part in
+what follows. The fastest runs from then on; when others survived, the calls that follow
+compare them on the whole batch, each in turn twice
 in a row, the second call timed and paired with the anchor's (native, if it survived) in the
 same round, until a clear call (3 rounds, or fewer when one is 25% behind after one round)
 or up to 7 rounds for a close one. The winner is the anchor unless another beats it by more
@@ -171,7 +173,7 @@ def _valid(choice: Choice) -> bool:
     names = set(backend_names())
     splits = "split" in (choice.backend, *choice.pending)
     return ({choice.backend, *choice.pending} <= names | {"split"} and set(choice.parts) <= names
-            and (len(choice.parts) == 2 if splits else not choice.parts))
+            and len(choice.parts) in ((2,) if splits else (0, 2)))
 
 
 _choices = Store(_key_text, _valid)
@@ -239,7 +241,7 @@ def _tune_both(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
     for b in screens[2].rejected:
         estimates.pop(b, None)
     rejected = tuple(dict.fromkeys(r for s in screens for r in s.rejected))
-    choice = auto_tuning.decide(n, estimates, bi if bi == bw else "native", rejected)
+    choice = auto_tuning.decide(n, estimates, bi if bi == bw else "native", rejected, keep=("native",))
     return dataclasses.replace(choice, parts=(bi, bw)) if "split" in estimates else choice
 
 

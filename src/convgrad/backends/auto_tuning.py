@@ -127,14 +127,15 @@ def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = ()) -> set[str
 
 
 def screen(options: Mapping[str, Run], batch: int, device: torch.device, reference: str,
-           agree: Callable[[Result, Result], bool] | None = None) -> Screen:
-    """Probe every option on ``screen_batch(batch)`` samples against the reference's probe, then time each once.
+           agree: Callable[[Result, Result], bool] | None = None, on: int | None = None) -> Screen:
+    """Probe every option on ``on`` samples (default ``screen_batch(batch)``) against the reference's probe, then
+    time each once.
 
     An option whose probe disagrees (or whose result is not finite while the reference's is) is rejected and not
     timed. When the reference's own probe is not finite, only the reference is kept (nothing can be checked).
     """
     agree = agree or agrees
-    n = screen_batch(batch)
+    n = screen_batch(batch) if on is None else on
     scale = batch / n if n else 1.0
     with torch.no_grad():
         probes = {name: run(n) for name, run in options.items()}  # also the warm-up of the timed call
@@ -149,17 +150,19 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
     return Screen(times, tuple(name for name in options if name not in ok), probes, n)
 
 
-def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected: tuple[str, ...] = ()) -> Choice:
+def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected: tuple[str, ...] = (),
+           keep: tuple[str, ...] = ()) -> Choice:
     """The choice from estimated times on the whole batch (from a screening, or composed from one).
 
-    Options over SCREEN_DROP times the best estimate are dropped. The fastest estimated is chosen; when others
-    survive, they are pending, to be compared on the calls that follow, the anchor (the incumbent if it survived,
-    else the fastest) first.
+    Options over SCREEN_DROP times the best estimate are dropped, except those in ``keep``. The fastest estimated
+    is chosen; when others survive, they are pending, to be compared on the calls that follow, the anchor (the
+    incumbent if it survived, else the fastest) first.
     """
     if not estimates or batch == 0:
         return Choice(incumbent, dict(estimates), rejected, batch)
     best = min(estimates.values())
-    alive = sorted((n for n, e in estimates.items() if e <= SCREEN_DROP * best), key=estimates.__getitem__)
+    alive = sorted((n for n, e in estimates.items() if e <= SCREEN_DROP * best or n in keep),
+                   key=estimates.__getitem__)
     anchor = incumbent if incumbent in alive else alive[0]
     pending = (anchor, *(n for n in alive if n != anchor)) if len(alive) > 1 else ()
     return Choice(alive[0], dict(estimates), rejected, batch, (), pending)
@@ -167,15 +170,17 @@ def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected:
 
 def tune(options: Mapping[str, Run], batch: int, device: torch.device, reference: str = "native",
          incumbent: str | None = None, estimates: Mapping[str, float] | None = None,
-         agree: Callable[[Result, Result], bool] | None = None) -> tuple[Choice, Result | None]:
-    """Prune, screen and decide (see the module doc). ``reference`` is never pruned and checks the others.
+         agree: Callable[[Result, Result], bool] | None = None, on: int | None = None) -> tuple[Choice, Result | None]:
+    """Prune, screen (on ``on`` samples, default ``screen_batch(batch)``) and decide (see the module doc).
 
-    Returns the choice and, when the screening ran on the whole batch (a batch of one), the chosen option's
-    result (None otherwise: the caller runs it).
+    ``reference`` is never pruned, checks the others and is never dropped by the screening: when it was not the
+    fastest there, it stays among the options compared on the calls that follow, so that a slice that misranks
+    the options cannot leave a choice slower than the reference. Returns the choice and, when the screening ran
+    on the whole batch, the chosen option's result (None otherwise: the caller runs it).
     """
     dropped = prune(estimates or {}, keep=(reference,))
-    seen = screen({n: r for n, r in options.items() if n not in dropped}, batch, device, reference, agree)
-    choice = decide(batch, seen.times, incumbent or reference, seen.rejected)
+    seen = screen({n: r for n, r in options.items() if n not in dropped}, batch, device, reference, agree, on)
+    choice = decide(batch, seen.times, incumbent or reference, seen.rejected, keep=(reference,))
     out = seen.probes.get(choice.backend) if seen.batch == batch else None
     return choice, out
 
