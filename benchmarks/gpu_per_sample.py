@@ -43,7 +43,7 @@ def _peak_mib(device: torch.device, step: Any, x: torch.Tensor, y: torch.Tensor)
 def run_model(name: str, device: torch.device, batch: int, repeats: int) -> list[dict[str, Any]]:
     """Every (contender, quantity) of one model, timed in interleaved rounds after one warm-up step each."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 3, 32, 32, generator=gen).to(device)
+    x = torch.randn(batch, *ps.INPUT_SHAPES[name], generator=gen).to(device)
     y = torch.randint(0, ps.CLASSES, (batch,), generator=gen).to(device)
     steps, rows = {}, []
     for contender, setup in CONTENDERS.items():

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from per_sample_models import CLASSES, MODELS
+from per_sample_models import CLASSES, INPUT_SHAPES, MODELS
 
 BATCH, MAX_NORM = 32, 1.0
 CONTENDERS = ["plain", "convgrad", "opacus", "opacus-ghost", "opacus-ghost+convgrad", "backpack", "torch.func"]
@@ -208,7 +208,7 @@ SETUPS = {"plain": setup_plain, "convgrad": setup_convgrad, "opacus": setup_opac
 
 def _data(model_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    shape = MODELS[model_name][1]
+    shape = INPUT_SHAPES[model_name]
     return torch.randn(BATCH, *shape, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
 
 
@@ -224,7 +224,7 @@ def _timed(step: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tup
 # ---- timing: one process per model, every job interleaved ---------------------------------------------------
 def time_model(model_name: str, jobs: list[tuple[str, str]], repeats: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
-    base = MODELS[model_name][0]()
+    base = MODELS[model_name]()
     x, y = _data(model_name)
     steps, models, errors, first = {}, {}, {}, {}
     for job in jobs:
@@ -271,7 +271,7 @@ def _rss_kib() -> int:
 
 def memory_worker(model_name: str, contender: str, quantity: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = MODELS[model_name][0]()
+    model = MODELS[model_name]()
     x, y = _data(model_name)
     step = SETUPS[contender](model, quantity)
     gc.collect()

@@ -128,11 +128,7 @@ class UNet(nn.Module):
         return self.head(d1).mean((2, 3))  # (N, 10)
 
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
-    "small_cnn": (small_cnn, (3, 32, 32)),
-    "resnet18": (resnet18, (3, 32, 32)),
-    "vgg11": (vgg11, (3, 32, 32)),
-    "wrn16_4": (wrn16_4, (3, 32, 32)),
-    "conv1d_audio": (conv1d_audio, (1, 8000)),
-    "unet": (UNet, (3, 32, 32)),
-}
+MODELS: dict[str, Callable[[], nn.Module]] = {"small_cnn": small_cnn, "resnet18": resnet18, "vgg11": vgg11,
+                                              "wrn16_4": wrn16_4, "conv1d_audio": conv1d_audio, "unet": UNet}
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {name: (1, 8000) if name == "conv1d_audio" else (3, 32, 32)
+                                            for name in MODELS}  # one sample's shape
