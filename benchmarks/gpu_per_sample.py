@@ -44,7 +44,9 @@ def _peak_mib(device: torch.device, step: Any, x: torch.Tensor, y: torch.Tensor)
 def run_model(name: str, device: torch.device, batch: int, repeats: int, size: int = 32) -> list[dict[str, Any]]:
     """Every (contender, quantity) of one model, timed in interleaved rounds after one warm-up step each."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 3, size, size, generator=gen).to(device)
+    channels, *spatial = ps.INPUT_SHAPES[name]  # one sample's shape; images are resized to size x size
+    shape = (channels, size, size) if len(spatial) == 2 else (channels, *spatial)
+    x = torch.randn(batch, *shape, generator=gen).to(device)
     y = torch.randint(0, ps.CLASSES, (batch,), generator=gen).to(device)
     steps, rows = {}, []
     for contender, setup in CONTENDERS.items():

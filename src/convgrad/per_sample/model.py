@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from convgrad.per_sample import distributed
+from convgrad.per_sample.methods import sq_norms
 from convgrad.per_sample.rules import SAMPLE_MIXING, Grads, Layer, mixes_samples, rule_for
 
 __all__ = ["PerSampleGrads"]
@@ -269,12 +270,13 @@ class PerSampleGrads:
             first = rec.grads if rec.grads is not None else rec.layer.grads()  # type: ignore[union-attr]
             rec.grads = {k: first[k] + g for k, g in layer.grads().items()}
             rec.layer, rec.sq = None, None
-        elif layer.ghost_cheaper:
-            rec.sq, rec.layer = layer.ghost_sq_norms(), layer
-        elif layer.grad_elements <= layer.state_elements:
-            rec.grads = layer.grads()
-        else:
-            rec.sq, rec.layer = layer.materialised_sq_norms(), layer
+        else:  # the layer's clipping plan: keep its per-sample gradients, or its state for one more pass
+            how, store = layer.clip_plan()
+            if store:
+                rec.grads = layer.grads()
+            else:
+                rec.sq = layer.ghost_sq_norms() if how == "ghost" else layer.materialised_sq_norms()
+                rec.layer = layer
         return [None] * len(names)
 
     # ---- results --------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ class PerSampleGrads:
         total = None
         for _, grads, _, sq in self._per_sample():
             if sq is None:
-                sq = sum(g.flatten(1).square().sum(1) for g in grads.values())  # type: ignore[union-attr]
+                sq = sum(sq_norms(g) for g in grads.values())  # type: ignore[union-attr]
             total = sq if total is None else total + sq
         if total is None:
             raise RuntimeError("PerSampleGrads.norms: no per-sample gradient was recorded; run the forward pass "
