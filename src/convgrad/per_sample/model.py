@@ -138,8 +138,7 @@ class PerSampleGrads:
         torch.Size([5, 4, 1, 3, 3])
         >>> psg.norms().shape
         torch.Size([5])
-        >>> model.zero_grad()  # the backward put the unclipped sum in .grad; start the logical batch afresh
-        >>> _ = psg.clip_and_accumulate(max_norm=1.0)  # .grad += Σ_n clipped per-sample gradient
+        >>> _ = psg.clip_and_accumulate(max_norm=1.0)  # .grad = (.grad before the backward) + Σ_n clipped
         >>> bool(model[2].weight.grad.norm() <= 5.0)
         True
     """

@@ -76,10 +76,6 @@ class Layer:
             return "ghost", False
         return "materialise", self.grad_elements <= self.state_elements
 
-    def param_sq_norms(self) -> Grads:
-        """{name: (N,) squared norm of that parameter's per-sample gradient} (Opacus keeps one norm per parameter)."""
-        return {k: methods.sq_norms(g) for k, g in self.grads().items()}
-
     def clipped(self, factors: torch.Tensor) -> Grads:
         """{name: Σ_n factors[n]·grad[n]}, with one ordinary (batch-summed) gradient call on a scaled grad_output."""
         raise NotImplementedError
@@ -176,8 +172,9 @@ class ConvLayer(Layer):
         return out
 
     def param_sq_norms(self, ghost: bool | None = None) -> Grads:
-        """Squared norms per parameter; the weight's by the ghost norm (ghost=True), chunk by chunk from materialised
-        gradients (False), or by whichever costs fewer operations (None, the default)."""
+        """{name: (N,) squared norm of that parameter's per-sample gradient} (Opacus keeps one norm per parameter):
+        the weight's by the ghost norm (ghost=True), chunk by chunk from materialised gradients (False), or by
+        whichever ``ghost_cheaper`` picks (None, the default)."""
         out = {}
         if self.has_weight:
             if self.ghost_cheaper if ghost is None else ghost:
@@ -296,7 +293,6 @@ class LayerNormLayer(_NormLayer):
 
     def _sum_dims(self) -> list[int]:
         return list(range(1, self.x.dim() - len(self.module.normalized_shape)))
-
 
 
 @register(*_BATCH_NORMS)
