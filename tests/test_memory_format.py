@@ -11,7 +11,7 @@ any of this: AccumulateGrad re-lays ``.grad`` out to the parameter's layout.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -28,6 +28,16 @@ _RANK_FORMAT = {4: torch.channels_last, 5: torch.channels_last_3d}
 # which of (input, weight, grad_output) is laid out channels last; the last: only grad_output, which torch
 # ignores when it picks the layout of the gradients
 LAYOUTS = ("---", "x--", "-w-", "--g")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """Thousands of tiny convolutions: with more threads than free cores each waits on the thread pool (tens of
+    ms on a loaded machine instead of microseconds). The judge is torch at run time, on the same thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def channels_last(t: torch.Tensor) -> torch.Tensor:

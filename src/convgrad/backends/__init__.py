@@ -70,15 +70,9 @@ class Backend(ABC):
         gw = self.weight_grad(spec, input, grad_output) if need_weight else None  # type: ignore[arg-type]
         return gi, gw
 
-    def gradients(
-        self,
-        spec: ConvSpec,
-        grad_output: torch.Tensor,
-        input: torch.Tensor | None,
-        weight: torch.Tensor | None,
-        need_input: bool,
-        need_weight: bool,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def gradients(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
+                  weight: torch.Tensor | None, need_input: bool, need_weight: bool
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``backward``, with each gradient in the memory format torch's own backward returns for these tensors.
 
         The one entry point of every caller, so that no backend has to get layouts right by itself; a

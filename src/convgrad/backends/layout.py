@@ -22,9 +22,9 @@ from convgrad._ops import placeholder
 from convgrad.spec import ConvSpec
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
-_EMPTY = {getattr(torch._C._ConvBackend, name, None) for name in ("Empty", "MkldnnEmpty")} - {None}
 _select = getattr(torch._C, "_select_conv_backend", None)  # private; absent: the meta rule
 _determine = getattr(torch._C, "_conv_determine_backend_memory_format", None)
+_EMPTY = {getattr(getattr(torch._C, "_ConvBackend", None), name, None) for name in ("Empty", "MkldnnEmpty")}
 
 # A gradient's target: a memory format, or a tensor whose zeros_like layout it takes (the Empty kernel).
 Target = torch.memory_format | torch.Tensor
@@ -74,7 +74,8 @@ def _seen_input(spec: ConvSpec, input: torch.Tensor | None, like: torch.Tensor) 
 def _targets(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
              weight: torch.Tensor | None) -> tuple[Target, Target]:
     """(grad_input's target, grad_weight's target): the layouts torch's backward gives for these tensors."""
-    if grad_output.is_complex() or all(t is not None and _plainly_contiguous(t) for t in (input, weight)):
+    operands = ((input, spec.input_shape), (weight, spec.weight_shape))
+    if grad_output.is_complex() or all(_plainly_contiguous(t, shape) for t, shape in operands):
         # what every kernel gives (Empty's zeros_like too); torch builds complex convolutions from real ones,
         # and their gradients come out contiguous whatever the layouts
         return torch.contiguous_format, torch.contiguous_format
@@ -107,9 +108,12 @@ def _dense_strides(shape: Sequence[int], order: Sequence[int] | None = None) -> 
     return tuple(strides)
 
 
-def _plainly_contiguous(t: torch.Tensor) -> bool:
-    """Contiguous strides on every dim, size-1 dims too (a depthwise (C, 1, k, k) weight can be contiguous and
-    yet suggest channels_last by the stride of its size-1 dim), and not empty (whose strides zeros_like keeps)."""
+def _plainly_contiguous(t: torch.Tensor | None, shape: Sequence[int]) -> bool:
+    """Not empty (zeros_like keeps an empty tensor's strides), and contiguous strides on every dim, size-1 dims
+    too (a depthwise (C, 1, k, k) weight can be contiguous and yet suggest channels_last by the stride of its
+    size-1 dim); a missing tensor has no layout of its own."""
+    if t is None:
+        return 0 not in shape
     return t.is_contiguous() and t.numel() > 0 and (1 not in t.shape or t.stride() == _dense_strides(t.shape))
 
 
