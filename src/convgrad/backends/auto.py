@@ -55,7 +55,7 @@ from convgrad.spec import ConvSpec
 __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
 
-CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm")  # those registered take part
+CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last")  # those registered take part
 FIXED_CHOICE = "native"
 MODES = ("tune", "fixed")
 # The watch (module docstring): calls this many times slower per sample than tuned, this many in a row, re-tune;
@@ -213,10 +213,12 @@ def _watched(key: Key, choice: Choice, batch: int, run: Callable[[], Result]) ->
     return out
 
 
-def _candidates(like: torch.Tensor) -> list[Backend]:
-    """The registered candidates that handle this dtype, native first."""
+def _candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
+    """The registered candidates that handle this dtype, native first; a backend with a ``can_serve(spec, like)``
+    rule takes part only where that rule says it can differ from native."""
     names = ["native", *(n for n in CANDIDATES if n != "native" and n in backend_names())]
-    return [b for b in map(get_backend, names) if not like.is_complex() or b.supports_complex]
+    return [b for b in map(get_backend, names) if (not like.is_complex() or b.supports_complex)
+            and getattr(b, "can_serve", lambda spec, like: True)(spec, like)]
 
 
 @register
@@ -243,7 +245,7 @@ class AutoBackend(Backend):
             # every backend's own backward (both gradients, what a user who picks one backend gets), and the
             # per-gradient winners one after the other when they differ
             options = {b.name: (lambda b=b: b.backward(spec, grad_output, input, weight, True, True))
-                       for b in _candidates(grad_output)}
+                       for b in _candidates(spec, grad_output)}
             if bi.name != bw.name:
                 options["split"] = lambda: (bi.input_grad(spec, weight, grad_output),
                                             bw.weight_grad(spec, input, grad_output))
@@ -286,7 +288,7 @@ class AutoBackend(Backend):
             return _watched(key, known, spec.batch, lambda: call(backend)) if _tunable(grad_output) else call(backend)
         if not _tunable(grad_output, operand):
             return call(get_backend(FIXED_CHOICE))
-        known, out = _tune({b.name: (lambda b=b: call(b)) for b in _candidates(grad_output)}, grad_output.device,
+        known, out = _tune({b.name: (lambda b=b: call(b)) for b in _candidates(spec, grad_output)}, grad_output.device,
                            spec.batch)
         _choices[key] = known
         _save()
