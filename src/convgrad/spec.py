@@ -475,6 +475,18 @@ class ConvSpec:
                        stride=(1, *self.stride), padding=((0, 0), *self.padding),
                        dilation=(1, *self.dilation), output_padding=(0, *self.output_padding))
 
+    def with_merged_groups(self, merge: int) -> ConvSpec:
+        """The same operands as a convolution with ``merge`` consecutive groups merged into one, ``groups // merge``
+        groups: its weight is ``(C_out, merge * C_in/groups, *k)`` (transposed: ``(C_in, merge * C_out/groups, *k)``).
+        With block-diagonal weights it computes the same convolution.
+
+        Raises:
+            ValueError: merge does not divide groups.
+        """
+        if merge < 1 or self.groups % merge:
+            raise ValueError(f"{self.fn}: merge={merge} must divide groups={self.groups}")
+        return replace(self, groups=self.groups // merge)
+
     def macs(self) -> int:
         """Multiply-accumulates of the forward conv (= of each of its two gradients)."""
         return self.batch * self.y_channels * math.prod(self.y_size) * (self.x_channels // self.groups) * math.prod(

@@ -55,7 +55,7 @@ from convgrad.spec import ConvSpec
 __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
 
-CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last")  # those registered take part
+CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup")  # those registered take part
 FIXED_CHOICE = "native"
 MODES = ("tune", "fixed")
 # The watch (module docstring): calls this many times slower per sample than tuned, this many in a row, re-tune;
