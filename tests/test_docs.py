@@ -1,50 +1,336 @@
-"""The documentation builds without warnings, and its examples run."""
+"""The documentation: every Python block on every page runs, the site builds strictly, and the built HTML
+shows what a reader should see (examples as code, links instead of roles, a page per command, no private or
+internal names); the command-line pages show what the commands print today."""
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import importlib.util
+import os
 import re
 import subprocess
 import sys
+import textwrap
+from collections.abc import Iterator
+from html.parser import HTMLParser
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+# a fenced block (``` or ~~~, three or more) at any indent (inside tabs or admonitions too), closed by the same fence
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)"
+                    r"^(?P=indent)(?P=fence)[ \t]*$", re.S | re.M)
+_PYTHON = {"python", "py", "python3"}
 
 
-def _python_blocks(page: Path) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_mkdocs_strict_build(tmp_path: Path) -> None:
-    for module in ("mkdocs", "mkdocstrings", "mkdocstrings_handlers.python"):
-        if importlib.util.find_spec(module.split(".")[0]) is None:
-            pytest.skip(f"{module} is not installed (pip install -e '.[docs]' -c constraints.txt)")
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                             "-d", str(tmp_path / "site")], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "WARNING" not in result.stderr, result.stderr
-    api = (tmp_path / "site" / "api" / "index.html").read_text()
-    assert "convgrad.explain.native_backend" in api and "conv_backward" in api
+cli_output = _load("cli_output", DOCS / "cli_output.py")
 
 
-def test_seed_answers_run(capsys: Any) -> None:
-    blocks = _python_blocks(DOCS / "seeds.md")
-    assert len(blocks) >= 6
+def python_blocks(page: Path) -> list[str]:
+    """The ```python blocks of a page, dedented, in order."""
+    return [textwrap.dedent(m["body"]) for m in _FENCE.finditer(page.read_text()) if m["lang"] in _PYTHON]
+
+
+# ---- every Python block on every page runs ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _page_state() -> Iterator[None]:
+    """Run a page on one thread (tiny convolutions are far faster so on a loaded machine) and leave no trace:
+    threads, environment, auto's mode and choices, and the working directory are restored."""
+    from convgrad.backends import auto
+
+    threads, env, cwd, mode = torch.get_num_threads(), dict(os.environ), os.getcwd(), auto.get_mode()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        auto.set_mode(mode)
+        auto.clear()
+
+
+def test_python_blocks_are_found_on_every_page_that_has_them() -> None:
+    """The runner below sees every page (not a chosen list) and the pages that teach with code."""
+    with_code = {p.relative_to(DOCS).as_posix() for p in PAGES if python_blocks(p)}
+    assert {"index.md", "how-do-i.md", "per_sample.md", "backends.md", "design.md"} <= with_code
+
+
+@pytest.mark.parametrize("page", [p for p in [*PAGES, ROOT / "README.md"] if python_blocks(p)],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_python_blocks_run(page: Path, tmp_path: Path, capsys: Any) -> None:
+    """The blocks of one page run in order in one namespace, as a reader pastes them; each asserts its claims."""
     namespace: dict[str, Any] = {"__name__": "__main__"}
-    for n, block in enumerate(blocks):
-        exec(compile(block, f"docs/seeds.md[block {n}]", "exec"), namespace)  # each block asserts its claims
-    assert "recipe matches torch autograd" in capsys.readouterr().out
+    with _page_state():
+        os.chdir(tmp_path)  # whatever a block writes lands here
+        for n, block in enumerate(python_blocks(page)):
+            exec(compile(block, f"{page.relative_to(ROOT)} [python block {n}]", "exec"), namespace)
+    if page.name == "how-do-i.md":  # the generated recipe script checked itself against autograd
+        assert "recipe matches torch autograd" in capsys.readouterr().out
+
+
+def test_readme_links_only_inside_the_repository() -> None:
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert len(links) >= 5
+    for link in links:
+        target = (ROOT / link.split("#")[0]).resolve()
+        assert "://" not in link and target.is_relative_to(ROOT) and target.exists(), link
+    assert "../" not in text, "a path out of the repository"
+    assert not re.findall(r"(?i)\bseeds?\b|\bissue \d", text)
 
 
 def test_derivation_figures_come_from_make_figures() -> None:
-    spec = importlib.util.spec_from_file_location("make_figures", DOCS / "make_figures.py")
-    assert spec is not None and spec.loader is not None
-    make_figures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_figures)
+    make_figures = _load("make_figures", DOCS / "make_figures.py")
     used = set(re.findall(r"\(img/([\w.-]+\.png)\)", (DOCS / "derivation.md").read_text()))
     assert used == set(make_figures.FIGURES)
     assert all((DOCS / "img" / name).is_file() for name in used)
+
+
+# ---- the built site ----------------------------------------------------------------------------------------------
+
+class Page(HTMLParser):
+    """The visible text of one HTML page, split into prose and code (inside <pre> or <code>), and its blocks."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.prose: list[str] = []
+        self.code: list[str] = []
+        self.ordered: list[str] = []  # prose and code, in the order they appear
+        self.pre_blocks: list[tuple[str, str]] = []  # (classes of the enclosing div, text)
+        self.h1 = ""
+        self._code_depth = self._skip = self._h1 = 0
+        self._div_classes: list[str] = []
+        self._pre: list[str] | None = None
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in ("script", "style"):
+            self._skip += 1
+        elif tag in ("pre", "code"):
+            self._code_depth += 1
+            if tag == "pre":
+                self._pre = []
+        elif tag == "h1":
+            self._h1 += 1
+        elif tag == "div":
+            self._div_classes.append(dict(attrs).get("class") or "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("script", "style"):
+            self._skip -= 1
+        elif tag in ("pre", "code"):
+            self._code_depth -= 1
+            if tag == "pre" and self._pre is not None:
+                self.pre_blocks.append((" ".join(self._div_classes[-2:]), "".join(self._pre)))
+                self._pre = None
+        elif tag == "h1":
+            self._h1 -= 1
+        elif tag == "div" and self._div_classes:
+            self._div_classes.pop()
+
+    def handle_data(self, data: str) -> None:
+        if self._skip:
+            return
+        (self.code if self._code_depth else self.prose).append(data)
+        self.ordered.append(data)
+        if self._pre is not None:
+            self._pre.append(data)
+        if self._h1:
+            self.h1 += data
+
+    @property
+    def text(self) -> str:
+        return "".join(self.ordered)
+
+
+def examples_outside_code(page: Page) -> list[str]:
+    """Doctest prompts that a reader would see as running text instead of code."""
+    return [t.strip() for t in page.prose if ">>>" in t]
+
+
+def sphinx_roles(page: Page) -> list[str]:
+    return re.findall(r":(?:func|class|meth|mod|attr|obj|exc|data):`?[\w.]*", page.text)
+
+
+def private_names(page: Page, private: set[str]) -> list[str]:
+    """convgrad's own private names (``_ConvCore``) and private bases anywhere in the visible text."""
+    found = [n for n in re.findall(r"(?<![\w.])_[A-Za-z]\w*", page.text) if n in private]
+    for bases in re.findall(r"Bases:\s*((?:[\w.]+(?:\s*,\s*)?)+)", page.text):
+        found += [b for b in re.split(r"\s*,\s*", bases.strip()) if any(part.startswith("_") for part in b.split("."))]
+    return found
+
+
+def internal_words(page: Page) -> list[str]:
+    """What means nothing to a user: issue numbers, the seed questions, the lead. A random seed (``--seed``,
+    ``manual_seed``) is a word of code and command output, never of prose."""
+    prose, text = " ".join(page.prose), page.text
+    found = re.findall(r"(?i)\bissues?\s*#?\s*\d+", text)
+    found += re.findall(r"(?i)\bseed (?:question|script|function)s?\b|\bseeds?'s?(?=\s)|\bseeds/", text)
+    found += re.findall(r"(?i)\bseeds?\b", prose)
+    found += re.findall(r"(?i)\bthe lead\b|\binternal targets?\b", text)
+    return found
+
+
+def _private_names_of_convgrad() -> set[str]:
+    """Every name starting with one underscore that convgrad's source defines (classes, functions, constants)."""
+    names = set()
+    for path in (ROOT / "src" / "convgrad").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Page]:
+    """The site, built with --strict (warnings fail the build), as {path: parsed page}."""
+    for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (pip install -e '.[docs]' -c constraints.txt)")
+    out = tmp_path_factory.mktemp("site")
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                             "-d", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" not in result.stderr, result.stderr
+    return {p.relative_to(out).as_posix(): Page(p.read_text()) for p in out.rglob("*.html")}
+
+
+def test_every_documented_example_is_a_code_block(site: dict[str, Page]) -> None:
+    api = site["api/index.html"]
+    assert {p: bad for p, page in site.items() if (bad := examples_outside_code(page))} == {}
+    with_prompts = [text for _, text in api.pre_blocks if text.lstrip().startswith(">>>")]
+    assert len(with_prompts) >= 20, f"only {len(with_prompts)} example blocks with >>> prompts on the API page"
+    assert any("conv_backward(" in text and "torch.Size" in text for text in with_prompts)  # prompts and output
+
+
+def test_no_literal_sphinx_roles(site: dict[str, Page]) -> None:
+    assert {p: bad for p, page in site.items() if (bad := sphinx_roles(page))} == {}
+
+
+def test_no_private_names_or_bases(site: dict[str, Page]) -> None:
+    private = _private_names_of_convgrad()
+    assert "_ConvCore" in private
+    assert {p: bad for p, page in site.items() if (bad := private_names(page, private))} == {}
+
+
+def test_no_page_names_an_issue_or_a_seed(site: dict[str, Page]) -> None:
+    assert {p: bad for p, page in site.items() if (bad := internal_words(page))} == {}
+
+
+def test_each_cli_command_has_a_page_with_its_output(site: dict[str, Page]) -> None:
+    from convgrad.cli import COMMANDS
+
+    for name in COMMANDS:
+        page = site.get(f"cli/{name}/index.html")
+        assert page is not None, f"no page for `convgrad {name}` (docs/cli/{name}.md)"
+        assert f"convgrad {name}" in page.h1
+        runs = [text for _, text in page.pre_blocks if text.startswith(f"$ convgrad {name} ")]
+        assert runs and any(f"usage: convgrad {name}" in text for text in runs), f"cli/{name}: no real output"
+
+
+def test_every_python_block_of_the_site_is_one_the_tests_run(site: dict[str, Page]) -> None:
+    """A block the runner misses (``` py, an indented fence it cannot see) would still show as Python code."""
+    for md in PAGES:
+        if md.name in ("api.md",):
+            continue
+        html = md.relative_to(DOCS).with_suffix("").as_posix()
+        html = "index.html" if html == "index" else html.removesuffix("/index") + "/index.html"
+        shown = [cls for cls, _ in site[html].pre_blocks if re.search(r"\blanguage-(?:python|py|python3)\b", cls)]
+        assert len(shown) == len(python_blocks(md)), f"{md.name}: {len(shown)} Python blocks shown, " \
+                                                     f"{len(python_blocks(md))} run"
+
+
+# ---- each check can fail: the same functions on pages that break the rules ------------------------------------------
+
+@pytest.mark.parametrize("html,check", [
+    ("<p>&gt;&gt;&gt; import torch</p>", examples_outside_code),  # an Example: admonition with lost prompts
+    ("<blockquote><p>&gt;&gt;&gt; cg.conv(x, w)</p></blockquote>", examples_outside_code),
+    ("<p>see :func:`conv_backward`</p>", sphinx_roles),
+    ("<p>a <code>:meth:`Recipe.plot`</code></p>", sphinx_roles),
+    ("<p>Bases: <code>_ConvCore</code></p>", lambda p: private_names(p, set())),
+    ("<p>Bases: <code>torch.nn.Conv2d</code>, <code>convgrad.nn._ConvgradMixin</code></p>",
+     lambda p: private_names(p, set())),
+    ("<p>uses <code>_ConvCore</code></p>", lambda p: private_names(p, {"_ConvCore"})),
+    ("<h2>The seed questions</h2>", internal_words),
+    ("<p>the seed's Function</p>", internal_words),
+    ("<pre><code>targets (issue 4)</code></pre>", internal_words),
+    ("<p>pass <code>--seed</code>; any seed works</p>", internal_words),
+])
+def test_each_html_check_fails_on_a_page_that_breaks_it(html: str, check: Any) -> None:
+    assert check(Page(html))
+
+
+@pytest.mark.parametrize("html,check", [
+    ('<div class="highlight"><pre><code>&gt;&gt;&gt; import torch</code></pre></div>', examples_outside_code),
+    ('<p><a href="#convgrad.conv_backward">conv_backward</a></p>', sphinx_roles),
+    ("<p>Bases: <code>torch.nn.Conv2d</code>, uses <code>_slow_conv2d_backward</code></p>",
+     lambda p: private_names(p, {"_ConvCore"})),
+    ("<p>pass <code>--seed 0</code></p><pre><code>--seed SEED  seed of the split</code></pre>", internal_words),
+])
+def test_each_html_check_passes_a_page_that_keeps_it(html: str, check: Any) -> None:
+    assert not check(Page(html))
+
+
+# ---- the command-line pages show today's output --------------------------------------------------------------
+
+def test_every_cli_page_asks_for_real_output() -> None:
+    from convgrad.cli import COMMANDS
+
+    for name in COMMANDS:
+        commands = [b.command for b in cli_output.blocks(DOCS / "cli" / f"{name}.md")]
+        assert f"convgrad {name} --help" in commands
+        assert any(c != f"convgrad {name} --help" for c in commands) or name == "bench", commands
+
+
+def test_cli_output_is_current() -> None:
+    """What the pages show is what the commands print now (`python docs/cli_output.py` rewrites it)."""
+    problems = cli_output.regenerate(check_only=True, in_process=True)
+    assert not problems, "\n\n".join(problems) + "\n\nrun `python docs/cli_output.py` to update the pages"
+
+
+def test_volatile_output_is_compared_without_numbers_but_with_words() -> None:
+    page = "12.30 ms ± 0.50 ┃ native ┃ 0:00:01\n┏━━━━━━┳━━┓"
+    assert cli_output.masked(page) == cli_output.masked("7.1 ms ± 10.25 ┃ native ┃ 0:01:30\n┏━━┳━━━━━━━━┓")
+    assert cli_output.masked(page) != cli_output.masked("12.30 ms ± 0.50 ┃ fwdconv ┃ 0:00:01\n┏━━━━━━┳━━┓")
+    assert cli_output.masked(page) != cli_output.masked("12.30 ms ± 0.50 ┃ native ┃ 0:00:01 ┃ FAIL\n┏━━━━━━┳━━┓")
+
+
+def test_a_stale_block_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edited output block, a volatile one with other words, and a wrong exit status are all caught."""
+    page = tmp_path / "page.md"
+    page.write_text("<!-- cli-output: convgrad explain --help -->\n```text\n$ convgrad explain --help\nold\n```\n"
+                    "<!-- /cli-output -->\n"
+                    "<!-- cli-output volatile: convgrad explain --input 1,1,5,5 --weight 1,1,3,3 -->\n```text\n"
+                    "$ convgrad explain --input 1,1,5,5 --weight 1,1,3,3\nsomething else 1.0\n```\n"
+                    "<!-- /cli-output -->\n"
+                    "<!-- cli-output exit=2: convgrad explain --help -->\n<!-- /cli-output -->\n")
+    monkeypatch.setattr(cli_output, "pages", lambda: [page])
+    outputs = [(0, "usage: new\n"), (0, "other words 2.0\n"), (0, "usage\n")]
+    monkeypatch.setattr(cli_output, "run", lambda argvs: outputs)
+    problems = cli_output.regenerate(check_only=True)
+    assert len(problems) == 3 and "exit status 0, expected 2" in problems[0], problems
+    assert "<!-- cli-output exit=2" in page.read_text() and "\nold\n" in page.read_text()  # --check writes nothing

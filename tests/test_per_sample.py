@@ -202,12 +202,35 @@ def _model_references(model: nn.Module, x: torch.Tensor, use_vmap: bool = True) 
     return out
 
 
+class WithBatchNorm(nn.Module):
+    """BatchNorm1d on (N, C) and (N, C, L), BatchNorm2d, SyncBatchNorm; random running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.bn_l = nn.SyncBatchNorm(4)  # without a process group, it runs as BatchNorm in eval mode
+        self.fc = nn.Linear(4 * 16, 3)
+        self.bn_c = nn.BatchNorm1d(3)
+        gen = torch.Generator().manual_seed(5)
+        for bn in (self.bn, self.bn_l, self.bn_c):
+            for t in (bn.running_mean, bn.weight, bn.bias):
+                t.data.copy_(torch.rand(t.shape, generator=gen) * 2 - 1)
+            bn.running_var.copy_(torch.rand(bn.running_var.shape, generator=gen) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn_l(torch.tanh(self.bn(self.c(x))).flatten(2))  # (N, 4, 16)
+        return self.bn_c(self.fc(h.flatten(1)))
+
+
 MODELS = [("mixed-zeros", lambda: Mixed(), (4, 2, 7, 6)), ("mixed-reflect", lambda: Mixed("reflect"), (3, 2, 7, 6)),
           ("mixed-circular", lambda: Mixed("circular"), (3, 2, 7, 6)),
           ("conv3d-groups-padding-ge-kernel", lambda: Conv3dNet(), (3, 4, 3, 2, 3)),
           ("conv3d-replicate", lambda: Conv3dNet("replicate"), (2, 4, 3, 2, 3)),
           ("batch1", lambda: Mixed("circular"), (1, 2, 7, 6)), ("batch0", lambda: Conv3dNet(), (0, 4, 3, 2, 3)),
-          ("batch0-mixed", lambda: Mixed("reflect"), (0, 2, 7, 6))]
+          ("batch0-mixed", lambda: Mixed("reflect"), (0, 2, 7, 6)),
+          ("batchnorm-eval", lambda: WithBatchNorm().eval(), (3, 2, 4, 4))]
+CLIP_MODELS = [*MODELS[:4], MODELS[-1]]
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -231,7 +254,7 @@ def test_grad_sample_matches_loop_and_vmap(name: str, make, shape: tuple[int, ..
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize(("name", "make", "shape"), MODELS[:4], ids=[m[0] for m in MODELS[:4]])
+@pytest.mark.parametrize(("name", "make", "shape"), CLIP_MODELS, ids=[m[0] for m in CLIP_MODELS])
 def test_norms_only_and_clip_and_accumulate_match_materialised(name: str, make, shape: tuple[int, ...],
                                                                reduction: str) -> None:
     torch.manual_seed(1)
@@ -246,6 +269,7 @@ def test_norms_only_and_clip_and_accumulate_match_materialised(name: str, make, 
     expected = {k: torch.tensordot(factors, g, dims=1) for k, g in grads.items()}
     full.clip_and_accumulate(max_norm)  # the materialised path
     assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, f"{name} clipped full")
+    model.zero_grad()  # clip_and_accumulate adds: a new logical batch starts from no .grad
     with cg.PerSampleGrads(model, loss_reduction=reduction, norms_only=True) as psg:
         _loss(model(x), reduction).backward()
     assert all(p.grad_sample is None for p in model.parameters())
@@ -293,8 +317,8 @@ def test_a_module_called_twice_sums_its_calls() -> None:
 
 
 def test_unsupported_module_is_refused_by_name() -> None:
-    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.BatchNorm2d(2)))
-    with pytest.raises(ValueError, match=r"'1\.0' \(BatchNorm2d\)"):
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.PReLU(2)))
+    with pytest.raises(ValueError, match=r"'1\.0' \(PReLU\)"):
         cg.PerSampleGrads(model)
     model[1][0].requires_grad_(False)  # frozen: nothing to compute, accepted
     cg.PerSampleGrads(model)
@@ -347,3 +371,69 @@ def test_bad_arguments_and_misuse_are_refused() -> None:
     tied[1].weight = tied[0].weight
     with pytest.raises(ValueError, match="share a parameter"):
         cg.PerSampleGrads(tied, norms_only=True)
+
+
+# ---- BatchNorm, micro-batches, shared parameters, wrappers --------------------------------------------------------
+def test_batchnorm_that_mixes_the_samples_is_refused_at_each_forward() -> None:
+    torch.manual_seed(6)
+    model = WithBatchNorm().to(DT)  # training mode
+    x = torch.randn(3, 2, 4, 4, dtype=DT)
+    psg = cg.PerSampleGrads(model)  # accepted: the mode is checked at the forward, it can change before
+    with pytest.raises(ValueError, match=r"'bn' \(BatchNorm2d\) normalises with the statistics of the batch "
+                                         r"\(training mode\)"), psg:
+        model(x)
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing left swapped
+    model.eval()
+    with psg:
+        _loss(model(x), "sum").backward()
+    assert model.bn.weight.grad_sample.shape == (3, 4)
+    model.bn_c.train().requires_grad_(False)  # frozen, but it still mixes the samples the other layers see
+    with pytest.raises(ValueError, match=r"'bn_c' \(BatchNorm1d\)"), psg:
+        model(x)
+    with psg, torch.no_grad():
+        model(x)  # no backward can follow: nothing to refuse
+    model.bn_c = nn.BatchNorm1d(3, track_running_stats=False).to(DT).eval()
+    with pytest.raises(ValueError, match=r"track_running_stats=False"), cg.PerSampleGrads(model):
+        model(x)
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_micro_batches_accumulate_into_grad_like_one_logical_batch(norms_only: bool) -> None:
+    torch.manual_seed(7)
+    model = Mixed("circular").to(DT)
+    x = torch.randn(6, 2, 7, 6, dtype=DT)
+    ref = _model_references(model, x, use_vmap=False)[0]
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    factors = (float(norms.median()) / (norms + 1e-6)).clamp(max=1.0)
+    expected = {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}
+    model.zero_grad()  # the documented reset, once per logical batch
+    for chunk in x.split([2, 1, 3]):
+        with cg.PerSampleGrads(model, norms_only=norms_only) as psg:
+            _loss(model(chunk), "sum").backward()
+        psg.clip_and_accumulate(float(norms.median()))
+    assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, "micro-batches")
+    psg.clip_and_accumulate(float(norms.median()))  # a second call on the last micro-batch does not add it twice
+    assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, "called twice")
+
+
+def test_a_parameter_shared_by_two_modules_counts_once() -> None:
+    torch.manual_seed(8)
+    first, second = nn.Linear(3, 3), nn.Linear(3, 3)
+    second.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), second).to(DT)
+    x = torch.randn(4, 3, dtype=DT)
+    ref = _model_references(model, x, use_vmap=False)[0]  # named_parameters lists the shared weight once
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    with cg.PerSampleGrads(model) as psg:
+        _loss(model(x), "sum").backward()
+    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+    model.zero_grad()
+    psg.clip_and_accumulate(float(norms.median()))
+    factors = (float(norms.median()) / (norms + 1e-6)).clamp(max=1.0)
+    expected = {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}
+    assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, "shared weight")
+
+
+def test_data_parallel_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"the model itself is a torch\.nn\.DataParallel"):
+        cg.PerSampleGrads(nn.DataParallel(nn.Linear(2, 2)))

@@ -22,6 +22,7 @@ is a differentiable torch op, so gradients of any order come from autograd.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from functools import lru_cache
@@ -195,14 +196,33 @@ def plan_input_grad(spec: ConvSpec, method: str | None = None) -> Plan:
     """
     if spec.transposed:
         return _grad_y_plan(spec, "grad_input", "grad_output")
+    return _x_plan(spec, "grad_input", "grad_output", method, "plan_input_grad")
+
+
+def _x_plan(spec: ConvSpec, gradient: str, data: str, method: str | None, fn: str) -> Plan:
+    """x from y by the formulation ``method`` (None: the rules choose)."""
     chosen, reason = _input_method(spec) if method is None else (method, "forced")
     if chosen in ("direct", "zero_insert", "matmul"):
-        return _grad_x_plan(spec, "grad_input", "grad_output", chosen == "matmul", reason)
+        return _grad_x_plan(spec, gradient, data, chosen == "matmul", reason)
     if chosen == "polyphase":
-        return _polyphase_plan(spec, "grad_input", "grad_output", reason)
+        return _polyphase_plan(spec, gradient, data, reason)
     if chosen == "subpixel":
-        return _subpixel_plan(spec, "grad_input", "grad_output", reason)
-    raise ValueError(f"plan_input_grad: method={method!r} must be None or one of {INPUT_METHODS}")
+        return _subpixel_plan(spec, gradient, data, reason)
+    raise ValueError(f"{fn}: method={method!r} must be None or one of {INPUT_METHODS}")
+
+
+@lru_cache(maxsize=256)
+def plan_forward(spec: ConvSpec, method: str | None = None) -> Plan:
+    """The plan of the convolution itself, for explain's pictures (the forward pass runs torch's own conv).
+
+    A forward conv reads x at stride s (the grad-of-y plan); a transposed conv computes x from y, as a
+    forward conv's grad_input does, by the formulation ``method`` (one of INPUT_METHODS; None: the textbook
+    zero-insertion, or a direct conv at stride 1).
+    """
+    if not spec.transposed:
+        return _grad_y_plan(spec, "output", "input")
+    plan = _x_plan(spec, "output", "input", method or "zero_insert", "plan_forward")
+    return plan if method else dataclasses.replace(plan, reason="the textbook form of a transposed conv")
 
 
 @lru_cache(maxsize=1024)

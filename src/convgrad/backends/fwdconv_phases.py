@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from convgrad._ops import pad, plain, sliced
+from convgrad.backends import fwdconv_geometry as geo
 from convgrad.backends.fwdconv_steps import Contraction, _contraction_code, _dims, _flat, _new_like, _slices
 from convgrad.spec import Pair, PhaseTaps
 
@@ -48,6 +49,10 @@ class TakeTaps:
     def describe(self) -> str:
         return f"keep the taps {', '.join(f'{f}::{s}' for f, s in zip(self.first, self.step))} of the flipped kernel"
 
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        f, s, c = self.first[dim], self.step[dim], self.shape[2 + dim]
+        return geo.each(lambda a: geo.select(a, range(f, f + s * (c - 1) + 1, s)), axis)
+
     def code(self, v: str, shape: Shape) -> list[str]:
         return [f"{v} = {v}[..., {_slices(self.first, self.step, self.shape[2:])}]  # taps of this phase: {self.shape}"]
 
@@ -76,6 +81,14 @@ class Phase:
 
     def describe(self) -> str:
         return f"phase {self.rho}: pad y by {self.pads}, {self.taps.describe()}, {self.conv.describe()}"
+
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """This phase's rows: y padded by ``pads``, read by its taps of the kernel; each row tagged with rho."""
+        taps = self.taps.rows(dim, kernel)
+        y = geo.each(lambda a: geo.pad_axis(a, *self.pads[dim]), data) if self.pads else data
+        out = self.conv.reads(dim, y, taps)
+        b, n, rho = (self.start[dim] if self.start else 0), self.shape[2 + dim], self.rho[dim]
+        return geo.each(lambda a: geo.Axis(tuple(c._replace(phase=rho) for c in a.cells[b:b + n])), out)
 
     def code(self, out: str, data: str, kernel: str) -> list[str]:
         lines = [f"{out}_y = F.pad({data}, {_flat(self.pads)})  # pads {self.pads} (negative crops)" if self.pads
@@ -169,6 +182,16 @@ class PhaseConvs:
                     if self.chunked else "") + ":"]
         return "\n".join(lines + [f"  {p.describe()}" for p in live])
 
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """Row u of the big side is row u // s of phase u % s; the rows of a phase no tap reaches read nothing."""
+        s = self.stride[dim]
+        phases: dict[int, geo.Geometry] = {}
+        for p in self.phases:
+            if p is not None and p.rho[dim] not in phases:  # every phase with this rho reads the same rows here
+                phases[p.rho[dim]] = p.reads(dim, data, kernel)
+        return geo.Axis(tuple(phases[u % s].cells[u // s]._replace(key=u) if u % s in phases  # type: ignore[union-attr]
+                              else geo.Out("out", u, phase=u % s) for u in range(self.shape[2 + dim])))
+
     def code(self, out: str, data: str, kernel: str) -> list[str]:
         lines = [f"{out} = {data}.new_zeros({_dims(self.shape)})  # phases no tap reaches stay zero"]
         for p in self.phases:
@@ -208,6 +231,20 @@ class SubpixelKernel:
     def describe(self) -> str:
         return (f"gather each phase's taps into one kernel of {self.shape[2:]} taps per phase, "
                 f"phases as output channels within each of the {self.groups} group(s)")
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """One member per phase rho: its taps of the flipped kernel at their offset, zero taps around them."""
+        fused = self.shape[2 + dim]
+        members = []
+        for rho, t in enumerate(self.phases[dim]):
+            zeros = [geo.Cell("zero", 0)] * fused
+            if t is None:
+                members.append(geo.renumber(geo.Axis(()), zeros))
+                continue
+            off = self.offsets[dim][rho]
+            taps = [axis.cells[t.first + t.step * q] for q in range(t.count)]  # type: ignore[union-attr]
+            members.append(geo.renumber(geo.Axis(()), [*zeros[:off], *taps, *zeros[off + t.count:]]))
+        return geo.Family(tuple(members), False)
 
     def code(self, v: str, shape: Shape) -> list[str]:
         c_x, cyg, *k = shape
@@ -253,6 +290,13 @@ class DepthToSpace:
 
     def describe(self) -> str:
         return f"depth to space: the channels of phase rho become the rows rho::{self.stride}"
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """Row u of the big side is row start + u // s of phase u % s's result."""
+        s, b = self.stride[dim], (self.start[dim] if self.start else 0)
+        members = axis.members if isinstance(axis, geo.Family) else (axis,)
+        return geo.Axis(tuple(members[u % s].cells[b + u // s]._replace(key=u, phase=u % s)  # type: ignore[union-attr]
+                              for u in range(self.shape[2 + dim])))
 
     def code(self, v: str, shape: Shape) -> list[str]:
         n, _, *rows = shape

@@ -14,7 +14,8 @@ from typing import Protocol
 import torch
 
 from convgrad._ops import CONV, pad
-from convgrad.backends.fwdconv_steps import Contraction
+from convgrad.backends import fwdconv_geometry as geo
+from convgrad.backends.fwdconv_steps import Contraction, Spatially
 from convgrad.spec import ConvSpec, Pair
 
 __all__ = ["BatchIntoChannels", "Conv", "Flip", "Pad", "Plan", "Step", "SwapBatchChannels", "SwapGroupChannels",
@@ -31,6 +32,8 @@ class Step(Protocol):
     def __call__(self, t: torch.Tensor) -> torch.Tensor: ...
 
     def describe(self) -> str: ...
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry: ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,17 @@ class ZeroInsert:
     def describe(self) -> str:
         return f"zero-insert by stride {self.stride} (stride-1 zeros between entries)"
 
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """Row j moves to key j*s; s-1 zeros follow every row but the last."""
+        s = self.stride[dim]
+
+        def spread(a: geo.Axis) -> geo.Axis:
+            cells = [geo.Cell(c.kind, c.key * s, c.source) for c in a.cells]
+            with_zeros = [z for c in cells[:-1] for z in (c, *(geo.Cell("zero", c.key + q) for q in range(1, s)))]
+            return geo.Axis((*with_zeros, *cells[-1:]), a.dropped)
+
+        return geo.each(spread, axis)
+
 
 @dataclass(frozen=True)
 class Pad:
@@ -64,6 +78,9 @@ class Pad:
     def describe(self) -> str:
         return f"pad (lo, hi) = {self.pads} per spatial dim (negative = crop)"
 
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        return geo.each(lambda a: geo.pad_axis(a, *self.pads[dim]), axis)
+
 
 @dataclass(frozen=True)
 class Flip:
@@ -77,9 +94,13 @@ class Flip:
     def describe(self) -> str:
         return "flip the kernel in every spatial dim"
 
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """Position j now holds the tap that was at k-1-j."""
+        return geo.each(lambda a: geo.renumber(a, a.cells[::-1]), axis)
+
 
 @dataclass(frozen=True)
-class SwapGroupChannels:
+class SwapGroupChannels(Spatially):
     """(C_y, C_x/g, *k) -> (C_x, C_y/g, *k): swap in and out channels inside each group."""
 
     groups: int
@@ -95,7 +116,7 @@ class SwapGroupChannels:
 
 
 @dataclass(frozen=True)
-class BatchIntoChannels:
+class BatchIntoChannels(Spatially):
     """(N, C_x, *i) -> (C_x/g, g*N, *i): samples become channels, grouped by conv group."""
 
     groups: int
@@ -112,7 +133,7 @@ class BatchIntoChannels:
 
 
 @dataclass(frozen=True)
-class SwapBatchChannels:
+class SwapBatchChannels(Spatially):
     """(A, B, *s) -> (B, A, *s)."""
 
     shape: Shape
@@ -140,6 +161,11 @@ class Conv:
     def describe(self) -> str:
         return (f"conv{len(self.stride)}d stride={self.stride} padding={self.padding} "
                 f"dilation={self.dilation} groups={self.groups}")
+
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """Result row u sums data[u*s + t*d] * kernel[t], the data padded by the conv's own padding."""
+        s, p, d, rows = self.stride[dim], self.padding[dim], self.dilation[dim], self.shape[2 + dim]
+        return geo.contract(lambda a, k: geo.conv_rows(a, k, s, p, d, rows), data, kernel)
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,13 @@ from typing import Protocol
 import torch
 
 from convgrad._ops import add_product_, batched_like, plain, sliced
+from convgrad.backends import fwdconv_geometry as geo
 from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
 
 __all__ = ["BatchIntoGroups", "Contraction", "DepthwiseTaps", "FoldTaps", "MatMul", "SamplesIntoChannels",
-           "SpaceToDepth", "Subsample", "SumSamples", "TapsToKernel"]
+           "SpaceToDepth", "Spatially", "Subsample", "SumSamples", "TapsToKernel"]
 
 
 class Contraction(Protocol):
@@ -38,6 +39,17 @@ class Contraction(Protocol):
     def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor: ...
 
     def describe(self) -> str: ...
+
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """Along one spatial dim: the (data, kernel) products summed into each result row (fwdconv_geometry)."""
+        ...
+
+
+class Spatially:
+    """A step that moves channels or samples only: every spatial row stays where it is."""
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        return axis
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -74,6 +86,11 @@ def _contraction_code(conv: Contraction, out: str, data: str, kernel: str) -> li
     c = conv  # fwdconv.Conv: stride, padding, dilation, groups
     return [f"{out} = F.conv{len(c.stride)}d({data}, {kernel}, None, stride={c.stride}, "  # type: ignore[attr-defined]
             f"padding={c.padding}, dilation={c.dilation}, groups={c.groups})  # {c.shape}"]  # type: ignore[attr-defined]
+
+
+def _coordinate(index: int, counts: Shape, dim: int) -> int:
+    """The coordinate in ``dim`` of a row-major flat index over ``counts``."""
+    return index // math.prod(counts[dim + 1:]) % counts[dim]
 
 
 # ---- matmuls ------------------------------------------------------------------------------------------------------
@@ -114,6 +131,15 @@ class MatMul:
     def describe(self) -> str:
         kind = "a 1x1 kernel" if self.pointwise else "a kernel covering its whole input"
         return f"conv with {kind}, groups={self.groups}: one matmul"
+
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """pointwise: row u is data[u] * kernel[0]; full: one row, the sum of data[j] * kernel[j]."""
+        def one(a: geo.Axis, k: geo.Axis) -> geo.Axis:
+            if self.pointwise:
+                return geo.Axis(tuple(geo.Out("out", u, ((c, k.cells[0]),), (a, k)) for u, c in enumerate(a.cells)))
+            return geo.Axis((geo.Out("out", 0, tuple(zip(a.cells, k.cells, strict=True)), (a, k)),))
+
+        return geo.contract(one, data, kernel)
 
     def code(self, out: str, data: str, kernel: str) -> list[str]:
         g, o = self.groups, self.shape[1]
@@ -177,6 +203,20 @@ class DepthwiseTaps:
     def describe(self) -> str:
         return f"depthwise conv of {math.prod(self.counts)} taps {self.counts}, summed tap by tap"
 
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """Tap q adds data[r + offset_q] into row r; rows whose data row lies outside y read padding."""
+        reach: dict[int, int] = {}  # tap coordinate in this dim -> data row read by result row 0
+        for tap, dims in self.rows:
+            first, _, data_first = dims[dim]
+            reach[_coordinate(tap, self.counts, dim)] = data_first - first
+
+        def one(a: geo.Axis, k: geo.Axis) -> geo.Axis:
+            rows = range(self.shape[2 + dim])
+            return geo.Axis(tuple(geo.Out("out", r, tuple((geo.row_or_pad(a, r + off), k.cells[q]) for q, off in
+                                                          sorted(reach.items())), (a, k)) for r in rows))
+
+        return geo.contract(one, data, kernel)
+
     def code(self, out: str, data: str, kernel: str) -> list[str]:
         c, nd = self.shape[1], len(self.counts)
         lines = [f"{out} = {data}.new_zeros(({data}.shape[0], {_dims(self.shape[1:])}))  # depthwise, tap by tap",
@@ -201,6 +241,9 @@ class Subsample:
 
     def describe(self) -> str:
         return f"keep every {self.stride}-th row"
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        return geo.each(lambda a: geo.select(a, range(0, len(a.cells), self.stride[dim])), axis)
 
     def code(self, v: str, shape: Shape) -> list[str]:
         return [f"{v} = {v}[..., {', '.join(f'::{s}' for s in self.stride)}]  # every s-th row: {self.shape}"]
@@ -232,6 +275,12 @@ class FoldTaps:
         return (f"fold the windows of the {math.prod(self.kernel_size)} taps into the batch "
                 f"(im2col by taps, stride {self.stride}, dilation {self.dilation})")
 
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """One member per tap t: the rows t*d + j*s, j < o, that it meets."""
+        k, s, d, o = self.kernel_size[dim], self.stride[dim], self.dilation[dim], self.shape[2 + dim]
+        assert isinstance(axis, geo.Axis)  # FoldTaps is the last data step of its plan
+        return geo.Family(tuple(geo.select(axis, [t * d + j * s for j in range(o)]) for t in range(k)), False)
+
     def code(self, v: str, shape: Shape) -> list[str]:
         n, c_x, *_ = shape
         nd, g = len(self.kernel_size), self.groups
@@ -257,13 +306,18 @@ class TapsToKernel:
     def describe(self) -> str:
         return "unfold the taps from the batch back into the kernel"
 
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """The one result row of each tap's member becomes row t."""
+        assert isinstance(axis, geo.Family)  # the results of FoldTaps' members
+        return geo.renumber(geo.Axis(()), [m.cells[0] for m in axis.members])  # type: ignore[union-attr]
+
     def code(self, v: str, shape: Shape) -> list[str]:
         c_y, cxg, *k = self.shape
         return [f"{v} = {v}.reshape({_dims((cxg, *k, c_y))}).movedim(-1, 0)  # (C_y, C_x/g, *k): {self.shape}"]
 
 
 @dataclass(frozen=True)
-class BatchIntoGroups:
+class BatchIntoGroups(Spatially):
     """(N, C_x, *i) -> (C_x/g, N*g, *i): each sample's group becomes its own conv group."""
 
     groups: int
@@ -285,7 +339,7 @@ class BatchIntoGroups:
 
 
 @dataclass(frozen=True)
-class SamplesIntoChannels:
+class SamplesIntoChannels(Spatially):
     """(N, C_y, *o) -> (N*C_y, 1, *o): one single-channel kernel per sample and output channel."""
 
     shape: Shape
@@ -301,7 +355,7 @@ class SamplesIntoChannels:
 
 
 @dataclass(frozen=True)
-class SumSamples:
+class SumSamples(Spatially):
     """(C_x/g, N*C_y, *k) -> (C_x/g, C_y, *k): add the per-sample gradients."""
 
     batch: int
@@ -337,6 +391,12 @@ class SpaceToDepth:
 
     def describe(self) -> str:
         return f"space to depth by the dilation {self.block}: the phases of every block become channels"
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """One member per phase phi < d: the rows phi, phi + d, ...; the conv sums over the members (channels)."""
+        d = self.block[dim]
+        assert isinstance(axis, geo.Axis)  # SpaceToDepth is the last step of its path
+        return geo.Family(tuple(geo.select(axis, range(phi, len(axis.cells), d)) for phi in range(d)), True)
 
     def code(self, v: str, shape: Shape) -> list[str]:
         n, c, *size = shape

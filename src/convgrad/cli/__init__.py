@@ -1,14 +1,17 @@
 """`convgrad demo | check | bench | explain`: one argparse front end, one module per command.
 
-Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``. A
-ValueError or TypeError from the library is a user error: it is printed as one
-line, without a traceback, and the exit status is 2.
+Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``. Whatever a
+user can cause ends here as one line on stderr and exit status 2, never a traceback: a
+ValueError or TypeError from the library, a path that cannot be written (OSError), a
+``--device`` this machine does not have. A closed pipe (``convgrad ... | head``) ends
+quietly, as the Python documentation advises for SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -37,26 +40,32 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else value
 
 
+PADDING_FORMS = "an int (1), a comma list (1,2), 'same', 'valid' or per-side lo:hi pairs (1:2,0:1)"
+
+
 def parse_padding(text: str) -> Any:
     """'1', '1,2', 'same', 'valid', or per-side pairs '1:2,0:1' (one pair stands for every dim)."""
     if text in ("same", "valid"):
         return text
-    if ":" not in text:
-        return parse_ints(text)
-    pairs = []
-    for part in text.split(","):
-        lo, sep, hi = part.partition(":")
-        if not sep or not lo.strip().lstrip("-").isdigit() or not hi.strip().lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"{text!r}: per-side padding is lo:hi per dim, e.g. 1:2,0:1")
-        pairs.append((int(lo), int(hi)))
-    return tuple(pairs)
+    try:
+        if ":" not in text:
+            return parse_ints(text)
+        pairs = []
+        for part in text.split(","):
+            lo, sep, hi = part.partition(":")
+            if not sep:
+                raise ValueError(part)
+            pairs.append((int(lo), int(hi)))
+        return tuple(pairs)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} must be {PADDING_FORMS}") from None
 
 
 def add_conv_arguments(parser: argparse.ArgumentParser) -> None:
     """The convolution hyperparameters shared by `convgrad explain` and `convgrad check`, in torch's names."""
     parser.add_argument("--stride", type=parse_ints, default=1, help="int or comma list (default 1)")
     parser.add_argument("--padding", type=parse_padding, default=0,
-                        help="int, comma list, 'same', 'valid' or per-side pairs like 1:2,0:1 (default 0)")
+                        help=f"{PADDING_FORMS} (default 0)")
     parser.add_argument("--dilation", type=parse_ints, default=1, help="int or comma list (default 1)")
     parser.add_argument("--groups", type=int, default=1, help="groups (default 1)")
     parser.add_argument("--transposed", action="store_true", help="a transposed convolution")
@@ -79,12 +88,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_device(value: str | None) -> None:
+    """Refuse a ``--device`` torch does not know, or one this machine does not have, before any work starts."""
+    if value in (None, "auto"):
+        return
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device={value} is not a device (cpu, cuda, cuda:1, mps, ...)") from None
+    try:
+        torch.empty(0, device=device)
+    except (AssertionError, RuntimeError) as err:  # "Torch not compiled with CUDA enabled", a missing ordinal...
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--device={value} is not available here ({reason})") from None
+
+
+def _one_line(command: str, err: BaseException) -> str:
+    """The message of a user error, on one line, without a prefix that repeats the command's name."""
+    if isinstance(err, OSError) and err.filename is not None:  # "x/y.png: No such file or directory"
+        message = f"{err.filename}: {err.strerror or err}"
+    else:
+        message = " ".join(str(err).split()) or type(err).__name__
+    for prefix in (f"convgrad {command}: ", f"{command}: ", "convgrad: "):
+        message = message.removeprefix(prefix)
+    return f"convgrad {command}: error: {message}"
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at devnull, so that the flush at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a file descriptor
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args._run(args) or 0)
-    except (ValueError, TypeError) as err:
-        print(f"convgrad {args.command}: error: {err}", file=sys.stderr)
+        _check_device(getattr(args, "device", None))
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 1
+    except KeyboardInterrupt:
+        print(f"convgrad {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError) as err:
+        print(_one_line(args.command, err), file=sys.stderr)
         return 2
 
 

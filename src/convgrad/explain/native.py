@@ -195,7 +195,7 @@ def native_backend(
         TypeError: tensors mixed with sizes, dtype/device given with tensors, a non-floating dtype.
         ValueError: invalid hyperparameters or shapes (as ``convgrad.ConvSpec``).
 
-    Source: ``select_conv_backend`` in aten/src/ATen/native/Convolution.cpp; docs/seeds.md, question 1.
+    Source: ``select_conv_backend`` in aten/src/ATen/native/Convolution.cpp; docs/how-do-i.md, the first question.
 
     Examples:
         >>> import torch, convgrad as cg

@@ -3,9 +3,10 @@
 ``explain`` returns a ``Recipe`` that wraps the very ``Plan`` objects (backends/fwdconv.py)
 the fwdconv backend executes (``plan_input_grad(spec)``, ``plan_weight_grad(spec)``), so
 what is explained is exactly what runs. A Recipe renders those plans as text (``str``), as a
-standalone PyTorch script (``Recipe.to_python``) and as a picture (``Recipe.plot``).
-Steps are read generically, through each step's ``describe()``, ``shape`` and class name, so a
-new kind of step in the backend shows up here without changes.
+standalone PyTorch script (``Recipe.to_python``), as pictures and animations drawn from each
+step's own geometry (``Recipe.plot``, ``Recipe.animate``) and as a page (``Recipe.to_html``).
+Steps are read generically, through each step's ``describe()``, ``shape``, class name and
+``rows``/``reads`` geometry, so a new kind of step in the backend shows up here without changes.
 
 ``native_backend`` answers the other half of the seeds' first question: which kernel
 ``aten.convolution_backward`` dispatches to for a configuration (see ``_native_choice.py``).
@@ -19,13 +20,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convgrad.backends import fwdconv
+from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
 from convgrad.explain.native import NativeChoice, native_backend
+from convgrad.explain.symbols import used_symbols
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from matplotlib.figure import Figure
+
+    from convgrad.explain.frames import Scene
 
 __all__ = ["Leftover", "NativeChoice", "Recipe", "RecipeStep", "explain", "native_backend"]
 
@@ -116,16 +121,36 @@ class Recipe:
         spec: the validated configuration.
         input_plan: the fwdconv backend's plan for grad_input (the same object it executes).
         weight_plan: the fwdconv backend's plan for grad_weight.
+        forward_plan: the plan the pictures draw the forward pass with (``fwdconv.plan_forward``; torch runs
+            the forward itself); None: built from the spec.
+        input_method, weight_method: the formulations forced with ``explain(..., input_method=, weight_method=)``,
+            or None where the backend's rules chose.
     """
 
     spec: ConvSpec
     input_plan: Any
     weight_plan: Any
+    forward_plan: Any = None
+    input_method: str | None = None
+    weight_method: str | None = None
 
     @property
     def plans(self) -> dict[str, Any]:
         """``{"grad_input": input_plan, "grad_weight": weight_plan}``."""
         return {"grad_input": self.input_plan, "grad_weight": self.weight_plan}
+
+    def scene(self, gradient: str) -> Scene:
+        """The pictures' view of ``"forward"``, ``"grad_input"`` or ``"grad_weight"``: its plan's geometry, by frame.
+
+        Raises:
+            ValueError: an unknown gradient.
+        """
+        from convgrad.explain.frames import scene
+
+        plans = {**self.plans, "forward": self.forward_plan}
+        if gradient not in plans:
+            raise ValueError(f"Recipe.scene: gradient={gradient!r} must be 'forward', 'grad_input' or 'grad_weight'")
+        return scene(self.spec, gradient, plans[gradient], self.input_method, self.weight_method)
 
     def steps(self, gradient: str) -> list[RecipeStep]:
         """The ordered steps of ``"grad_input"`` or ``"grad_weight"``, each with the shape after it."""
@@ -149,24 +174,34 @@ class Recipe:
                                "(convgrad's fwdconv backend runs exactly these steps)"]
         starts = self._start_shapes()
         for name, plan in self.plans.items():
-            data, kernel = getattr(plan, "data", "data"), getattr(plan, "kernel", "kernel")
-            lines += ["", f"{name} {tuple(plan.shape)} = conv of {data} with {kernel} as the kernel:"]
-            steps = self.steps(name)
-            if getattr(plan, "conv", True) is None:
-                lines.append("   the sum is empty (batch 0): zeros")
-            seen: set[str] = set()
-            for n, st in enumerate(steps, 1):
-                if st.operand in starts and st.operand not in seen:
-                    seen.add(st.operand)
-                    lines.append(f"       {st.operand:<12} {starts[st.operand]}")
-                lines.append(f"   {n:>2}. {st.operand:<12} {st.description}  -> {st.shape}")
+            lines += ["", *self._plan_lines(name, plan, starts)]
         dims = (0, *range(2, s.n + 2))
         lines += ["", f"grad_bias ({s.out_channels},) = grad_output summed over dims {dims}", "",
                   "leftover r per dim (trailing rows of the padded "
                   f"{'output' if s.transposed else 'input'} that no window reads):"]
         for lo in self.leftover:
             lines.append(f"   spatial dim {lo.dim}: r={lo.r} ({lo.unread_input_rows} real): {lo.reason}")
-        return "\n".join(lines)
+        if s.transposed and self.forward_plan is not None:
+            lines += ["", "the transposed conv's own forward (torch runs it; the pictures draw it as this plan):",
+                      *self._plan_lines("output", self.forward_plan, starts)]
+        text = "\n".join(lines)
+        symbols = used_symbols(text)
+        return "\n".join([text, "", "symbols:", *(f"   {name:<15} {definition}" for name, definition in symbols)])
+
+    def _plan_lines(self, name: str, plan: Any, starts: dict[str, Shape]) -> list[str]:
+        data, kernel = getattr(plan, "data", "data"), getattr(plan, "kernel", "kernel")
+        method = getattr(plan, "method", "")
+        why = f" [{method}: {plan.reason}]" if getattr(plan, "reason", "") else f" [{method}]" if method else ""
+        lines = [f"{name} {tuple(plan.shape)} = conv of {data} with {kernel} as the kernel{why}:"]
+        if getattr(plan, "conv", True) is None:
+            lines.append("   the sum is empty (batch 0): zeros")
+        seen: set[str] = set()
+        for n, st in enumerate(plan_steps(plan), 1):
+            if st.operand in starts and st.operand not in seen:
+                seen.add(st.operand)
+                lines.append(f"       {st.operand:<12} {starts[st.operand]}")
+            lines.append(f"   {n:>2}. {st.operand:<12} {st.description}  -> {st.shape}")
+        return lines
 
     def to_python(self) -> str:
         """A standalone PyTorch script: random tensors, the gradients by this recipe, checked against autograd.
@@ -189,28 +224,112 @@ class Recipe:
         return script(self)
 
     def plot(self, path: str | Path | None = None) -> Figure:
-        """Draw the recipe's geometry: the padded grids each gradient convolves, with the kernel footprints.
+        """Draw the recipe's key frames: for grad_input and grad_weight, the grid each plan convolves with its kernel.
 
-        For 1d and 2d: grad_input's grid (for a forward conv the zero-inserted, padded grad_output, with
-        inserted zeros, padding, cropped and original entries coloured apart, and the flipped kernel's
-        footprint) and grad_weight's view (the padded big side, its unread leftover rows, and
-        grad_output's taps as the kernel). For 3d: the same as one strip per dim.
+        Drawn from the plans' own steps: zero-insertion draws the inserted zeros, polyphase and sub-pixel one
+        row per phase (which rows of the result it fills, with which taps of the flipped kernel), and every
+        frame the padding, cropped and never-read cells. 1d and 2d are grids; 3d a row of depth slices.
 
         Args:
             path: where to save the figure (any format matplotlib knows from the suffix); None to only return it.
 
         Returns:
-            The matplotlib Figure (Agg canvas, no display needed).
+            The matplotlib Figure (Agg canvas, no display needed), 800 px wide.
 
         Examples:
             >>> import convgrad as cg
             >>> fig = cg.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2).plot()
-            >>> len(fig.axes) >= 2
-            True
+            >>> round(fig.get_size_inches()[0] * fig.dpi)  # pixels wide
+            800
         """
         from convgrad.explain.picture import plot
 
         return plot(self, path)
+
+    def animate(self, path: str | Path, gradients: Sequence[str] = ("forward", "grad_input", "grad_weight"),
+                max_frames: int = 120, fps: float = 1.5) -> Path:
+        """Write a step-through animation: every cell each computation produces, with the products it sums.
+
+        Each frame shows the data grid (padding, inserted zeros, cropped and never-read cells) with the kernel's
+        footprint at its position, the kernel (flipped where the plan flips it) and the result with the cell
+        being produced; small sizes print their numbers; groups are coloured channel blocks. Large layers are
+        bounded: a corner of the result (and fewer channels) is shown, and the caption says so.
+
+        Args:
+            path: ``.gif`` or ``.webp`` (Pillow), ``.mp4`` (needs ffmpeg) or ``.html`` (as ``to_html``).
+            gradients: which computations to animate, in order (default all three: the conv's own forward,
+                grad_input, grad_weight).
+            max_frames: the most frames in the file (default 120), shared among the gradients.
+            fps: frames per second (default 1.5).
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: an unknown suffix or gradient, or ``.mp4`` without ffmpeg.
+
+        Examples:
+            >>> import convgrad as cg, tempfile, pathlib
+            >>> out = pathlib.Path(tempfile.mkdtemp()) / "conv.gif"
+            >>> cg.explain((1, 1, 4), (1, 1, 3)).animate(out, max_frames=4).stat().st_size > 0
+            True
+        """
+        from convgrad.explain.animation import animate
+
+        return animate(self, Path(path), tuple(gradients), max_frames, fps)
+
+    def to_html(self, path: str | Path, gradients: Sequence[str] = ("forward", "grad_input", "grad_weight"),
+                max_frames: int = 120) -> Path:
+        """Write a self-contained page: the frames with a slider to scrub them, the recipe text and its script.
+
+        No server and no network: the frames are embedded PNGs, the player a few lines of local script.
+
+        Args:
+            path: the ``.html`` file to write.
+            gradients: which computations to show (default all three).
+            max_frames: the most frames on the page (default 120).
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: an unknown gradient.
+
+        Examples:
+            >>> import convgrad as cg, tempfile, pathlib
+            >>> out = pathlib.Path(tempfile.mkdtemp()) / "conv.html"
+            >>> "http" in cg.explain((1, 1, 4), (1, 1, 3)).to_html(out, max_frames=3).read_text()
+            False
+        """
+        from convgrad.explain.html import to_html
+
+        return to_html(self, Path(path), tuple(gradients), max_frames)
+
+
+def _methods(method: str | None, input_method: str | None, weight_method: str | None) -> tuple[str | None, str | None]:
+    """method=NAME applies NAME to whichever gradient has it; the explicit ones must name their own list."""
+    if method is not None:
+        if method in INPUT_METHODS and input_method in (None, method):
+            input_method = method
+        elif method in WEIGHT_METHODS and weight_method in (None, method):
+            weight_method = method
+        else:
+            raise ValueError(f"explain: method={method!r} must be one of {INPUT_METHODS + WEIGHT_METHODS} and agree "
+                             f"with input_method={input_method!r} and weight_method={weight_method!r}")
+    if input_method is not None and input_method not in INPUT_METHODS:
+        raise ValueError(f"explain: input_method={input_method!r} must be None or one of {INPUT_METHODS}")
+    if weight_method is not None and weight_method not in WEIGHT_METHODS:
+        raise ValueError(f"explain: weight_method={weight_method!r} must be None or one of {WEIGHT_METHODS}")
+    return input_method, weight_method
+
+
+def _plan(build: Any, spec: ConvSpec, method: str | None, name: str) -> Any:
+    try:  # no method: the very call (and lru_cache entry) the backend uses, so the plan is the object it runs
+        return build(spec) if method is None else build(spec, method)
+    except ValueError as err:
+        reason = str(err).split("; ")[0]
+        reason = reason[reason.find("needs"):] if "needs" in reason else reason
+        raise ValueError(f"explain: {name}={method!r} cannot serve {spec.describe()}: {reason}") from None
 
 
 def explain(
@@ -222,6 +341,10 @@ def explain(
     transposed: bool = False,
     output_padding: IntOrTuple = 0,
     groups: int = 1,
+    method: str | None = None,
+    *,
+    input_method: str | None = None,
+    weight_method: str | None = None,
 ) -> Recipe:
     """The recipe of a convolution's backward: each gradient as steps of forward operations.
 
@@ -233,12 +356,21 @@ def explain(
         transposed: explain a transposed convolution (default False).
         output_padding: int or N-tuple, transposed only (default 0).
         groups: int dividing both channel counts (default 1).
+        method: a formulation to show instead of the one the backend's rules choose, applied to whichever
+            computation has it: one of ``fwdconv.INPUT_METHODS`` (``zero_insert``, the textbook form,
+            ``polyphase``, ``subpixel``) or ``fwdconv.WEIGHT_METHODS`` (``kernel``, ``per_sample``, ``taps``,
+            ``blocks``). Default None.
+        input_method: the formulation of x from y (grad_input of a forward conv; the forward pass of a
+            transposed one, as the pictures draw it), one of ``INPUT_METHODS``. Default None.
+        weight_method: the formulation of grad_weight, one of ``WEIGHT_METHODS``. Default None.
 
     Returns:
         Recipe: wraps the fwdconv backend's own plans; ``str(recipe)`` is readable text.
 
     Raises:
-        TypeError, ValueError: invalid hyperparameters or shapes, as ``convgrad.ConvSpec``.
+        TypeError, ValueError: invalid hyperparameters or shapes, as ``convgrad.ConvSpec``; an unknown method,
+            or one that cannot serve the configuration (sub-pixel needs the dilation to divide the stride,
+            blocks needs stride 1).
 
     Source: docs/derivation.md.
 
@@ -249,7 +381,15 @@ def explain(
         (1, 1, 5, 5)
         >>> recipe.leftover[0].r
         0
+        >>> cg.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2, method="zero_insert").steps("grad_input")[0].kind
+        'ZeroInsert'
     """
     spec = ConvSpec.from_shapes(input_size, weight_size, stride, padding, dilation, transposed, output_padding,
                                 groups, fn="explain")
-    return Recipe(spec, fwdconv.plan_input_grad(spec), fwdconv.plan_weight_grad(spec))
+    input_method, weight_method = _methods(method, input_method, weight_method)
+    x_from_y = fwdconv.plan_forward if spec.transposed else fwdconv.plan_input_grad
+    x_plan = _plan(x_from_y, spec, input_method, "input_method")
+    input_plan = fwdconv.plan_input_grad(spec) if spec.transposed else x_plan
+    forward_plan = x_plan if spec.transposed else fwdconv.plan_forward(spec)
+    weight_plan = _plan(fwdconv.plan_weight_grad, spec, weight_method, "weight_method")
+    return Recipe(spec, input_plan, weight_plan, forward_plan, input_method, weight_method)

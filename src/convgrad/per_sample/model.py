@@ -11,12 +11,19 @@ How it hooks in, per supported module and forward call:
     _Tap backward receives grad_output, hands it with the saved input to the
                   module's rule (``convgrad.per_sample.rules``) and returns, as
                   the parameters' ordinary gradients, the sum of the per-sample
-                  ones (norms_only: none; clip_and_accumulate sets .grad).
+                  ones (norms_only or DDP: none; clip_and_accumulate adds to .grad).
+
+Under DistributedDataParallel the context runs the model under ``no_sync()``, so that
+DDP's buckets, which fire during the backward before any per-sample norm exists, never
+all-reduce an unclipped gradient; ``clip_and_accumulate`` makes one all-reduce of the
+clipped sums instead (as Opacus's DistributedDPOptimizer does after its clipping).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -24,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from convgrad.per_sample.rules import Grads, Layer, rule_for
+from convgrad.per_sample.rules import SAMPLE_MIXING, Grads, Layer, mixes_samples, rule_for
 
 __all__ = ["PerSampleGrads"]
 
@@ -48,7 +55,34 @@ class _Tap(torch.autograd.Function):
         return (None, grad_output, *ctx.callback(grad_output))
 
 
-_SUPPORTED = "Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn), Linear, GroupNorm, LayerNorm"
+_SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn), Linear, GroupNorm, LayerNorm, "
+              "BatchNorm in eval mode")
+
+
+def _ddp_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def _refuse_wrappers(fn: str, model: nn.Module) -> None:
+    """Wrappers whose hooks or parameters PerSampleGrads cannot see through: refused, never half-handled."""
+    ddp = _ddp_class()
+    loaded = sys.modules.get("torch.distributed.fsdp")  # not imported: no module can be FSDP (importing costs ~1 s)
+    fsdp = tuple(getattr(loaded, k) for k in ("FullyShardedDataParallel", "FSDPModule") if hasattr(loaded, k))
+    for name, m in model.named_modules():
+        what = f"module {name!r}" if name else "the model itself"
+        if isinstance(m, nn.DataParallel):
+            raise TypeError(f"{fn}: {what} is a torch.nn.DataParallel, whose replicas the hooks cannot "
+                            f"follow; use DistributedDataParallel (PerSampleGrads(ddp_model))")
+        if ddp is not None and isinstance(m, ddp) and m is not model:
+            raise TypeError(f"{fn}: {what} is a DistributedDataParallel inside the model; pass the "
+                            f"DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
+        if isinstance(m, fsdp):
+            raise TypeError(f"{fn}: {what} ({type(m).__name__}) shards its parameters, which the "
+                            f"per-sample rules cannot see; FSDP is not supported (DistributedDataParallel is)")
 
 
 @dataclass
@@ -70,7 +104,7 @@ class PerSampleGrads:
     is a mean over the batch) the gradient of each sample's own loss, i.e. N times its
     share of ``.grad``. A module called several times sums its calls, like ``.grad``.
 
-    The backward also sets the ordinary ``.grad``, as the sum of the per-sample gradients
+    The backward also adds to the ordinary ``.grad`` the sum of the per-sample gradients
     (divided by N for "mean") instead of a separate batch-summed weight gradient: during the
     forward the supported parameters are swapped for detached aliases (see the module doc).
 
@@ -80,25 +114,43 @@ class PerSampleGrads:
     fewer operations (see
     [`convgrad.per_sample_grad_norms`][convgrad.per_sample.functional.per_sample_grad_norms]), plus the smaller of its
     materialised per-sample gradients or its (input, grad_output) for clipping; then
-    [`clip_and_accumulate`][convgrad.per_sample.model.PerSampleGrads.clip_and_accumulate] sets ``.grad``. Double
-    backward (create_graph=True) through
-    a supported module is refused.
+    [`clip_and_accumulate`][convgrad.per_sample.model.PerSampleGrads.clip_and_accumulate] adds to ``.grad``. Double
+    backward (create_graph=True) through a supported module is refused.
+
+    Micro-batches: ``clip_and_accumulate`` adds the clipped sum to ``.grad`` as it was before the context's
+    backward, so one context and one call per micro-batch accumulate a logical batch, as Opacus's virtual steps
+    do. Reset ``.grad`` (``optimizer.zero_grad()``) before each logical batch.
+
+    DistributedDataParallel: pass the DDP module itself, ``PerSampleGrads(ddp_model)``, and run the forward inside
+    the context. The context runs it under ``ddp_model.no_sync()``, so that DDP never all-reduces an unclipped
+    gradient; the backward leaves ``.grad`` untouched, ``.grad_sample`` and ``norms()`` cover this rank's samples,
+    and ``clip_and_accumulate`` makes one all-reduce (a sum) of the clipped sums: every rank then holds
+    ``Σ_n clip(g_n)`` over the global batch. Add the noise once (the same draw on every rank, from generators
+    seeded alike) and divide by the global batch size, the sum of the ranks' batch sizes.
+
+    BatchNorm is accepted in eval mode (running statistics: each sample is normalised alone) and its affine
+    parameters get per-sample gradients. In training mode, or with ``track_running_stats=False``, it mixes the
+    samples of a batch, so no sample has a gradient of its own: a forward through it inside the context is
+    refused, whether or not its parameters are trainable. The mode is checked at every forward.
 
     Args:
-        model: an ``nn.Module`` whose modules with trainable parameters are all supported:
-            Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn; any padding string,
-            padding_mode, groups, dilation, output_size), Linear, GroupNorm and LayerNorm.
-            Inputs are batch-first, batch 0 included.
+        model: an ``nn.Module``, or a ``DistributedDataParallel`` wrapping one, whose modules with trainable
+            parameters are all supported: Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn; any
+            padding string, padding_mode, groups, dilation, output_size), Linear, GroupNorm, LayerNorm and
+            BatchNorm1d/2d/3d (eval mode). Inputs are batch-first, batch 0 included.
         loss_reduction: ``"sum"`` (default) or ``"mean"``, how the loss combines the samples.
         norms_only: compute norms (and clipped sums) only (default False).
 
     Raises:
-        TypeError: model is not an nn.Module, norms_only not a bool.
-        ValueError: an unknown loss_reduction; a module with trainable parameters and no rule
-            (its name and type are in the message), such as BatchNorm, which mixes the samples.
+        TypeError: model is not an nn.Module, norms_only not a bool; the model contains a DataParallel, an FSDP
+            module or a DistributedDataParallel other than the model itself.
+        ValueError: an unknown loss_reduction; a module with trainable parameters and no rule (its name and
+            type are in the message). At a forward inside the context: a BatchNorm that normalises with the
+            batch's statistics; the forward runs inside a DistributedDataParallel that synchronises gradients
+            (the model given was its inner module).
 
-    Source: docs/per_sample.md; Opacus's GradSampleModule (grad_sample's definition);
-    Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
+    Source: docs/per_sample.md; Opacus's GradSampleModule (grad_sample's definition) and DistributedDPOptimizer
+    (clipping before the all-reduce); Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
 
     Examples:
         >>> import torch, convgrad as cg
@@ -111,7 +163,8 @@ class PerSampleGrads:
         torch.Size([5, 4, 1, 3, 3])
         >>> psg.norms().shape
         torch.Size([5])
-        >>> _ = psg.clip_and_accumulate(max_norm=1.0)  # .grad = Σ_n clipped per-sample gradient
+        >>> model.zero_grad()  # the backward put the unclipped sum in .grad; start the logical batch afresh
+        >>> _ = psg.clip_and_accumulate(max_norm=1.0)  # .grad += Σ_n clipped per-sample gradient
         >>> bool(model[2].weight.grad.norm() <= 5.0)
         True
     """
@@ -124,42 +177,52 @@ class PerSampleGrads:
             raise ValueError(f"{fn}: loss_reduction={loss_reduction!r} must be 'sum' or 'mean'")
         if not isinstance(norms_only, bool):
             raise TypeError(f"{fn}: norms_only={norms_only!r} must be a bool")
+        _refuse_wrappers(fn, model)
+        ddp = _ddp_class()
+        self._ddp = model if ddp is not None and isinstance(model, ddp) else None
         self.model, self.loss_reduction, self.norms_only = model, loss_reduction, norms_only
+        self._names = {m: name or "(the model itself)" for name, m in model.named_modules()}
         self._rules: dict[nn.Module, type[Layer]] = {}
         self._trainable: dict[nn.Module, dict[str, nn.Parameter]] = {}
-        for name, module in model.named_modules():
+        for module, name in self._names.items():
             trainable = [k for k, p in module.named_parameters(recurse=False) if p.requires_grad]
             if not trainable:
                 continue
             rule = rule_for(module)
             if rule is None:
-                raise ValueError(f"{fn}: module {name or '(the model itself)'!r} ({type(module).__name__}) has "
-                                 f"trainable parameters {trainable} but no per-sample rule; supported: "
-                                 f"{_SUPPORTED}. Freeze it with requires_grad_(False) or replace it (BatchNorm mixes "
-                                 f"the samples of a batch; GroupNorm does not)")
+                raise ValueError(f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
+                                 f"{trainable} but no per-sample rule; supported: {_SUPPORTED}. Freeze it with "
+                                 f"requires_grad_(False) or replace it")
             self._rules[module] = rule
             self._trainable[module] = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
+        self._mixing = [m for m in self._names if isinstance(m, SAMPLE_MIXING)]
         self._check_tied(fn)
         self._handles: list[Any] = []
         self._swapped: set[nn.Module] = set()
         self._records: dict[nn.Module, _Record] = {}
+        self._before: dict[int, torch.Tensor | None] = {}  # id(param) -> .grad before this context's backward
+        self._no_sync = contextlib.ExitStack()
 
     def _check_tied(self, fn: str) -> None:
         """norms_only keeps one squared norm per module, which cannot add up a parameter shared by two."""
         owner: dict[int, nn.Module] = {}
-        names = {m: n for n, m in self.model.named_modules()}
         for m, params in self._trainable.items():
             for p in params.values():
                 other = owner.setdefault(id(p), m)
                 if other is not m and self.norms_only:
-                    raise ValueError(f"{fn}: modules {names[other]!r} and {names[m]!r} share a parameter; "
-                                     f"norms_only=True needs each parameter in one module (use norms_only=False)")
+                    raise ValueError(f"{fn}: modules {self._names[other]!r} and {self._names[m]!r} share a "
+                                     f"parameter; norms_only=True needs each parameter in one module (use "
+                                     f"norms_only=False)")
 
     # ---- context --------------------------------------------------------------------------------
     def __enter__(self) -> PerSampleGrads:
         self.clear()
-        self._handles = [h for m in self._rules for h in (m.register_forward_pre_hook(self._pre_hook),
-                                                             m.register_forward_hook(self._forward_hook))]
+        # the sample-mixing checks are registered first, so they run before any parameter is swapped
+        self._handles = [m.register_forward_pre_hook(self._check_mixing) for m in self._mixing]
+        self._handles += [h for m in self._rules for h in (m.register_forward_pre_hook(self._pre_hook),
+                                                              m.register_forward_hook(self._forward_hook))]
+        if self._ddp is not None:
+            self._no_sync.enter_context(self._ddp.no_sync())
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -169,19 +232,35 @@ class PerSampleGrads:
         self._handles = []
         for m in list(self._swapped):  # a forward that raised between the two hooks
             self._restore(m)
+        self._no_sync.close()
 
     def clear(self) -> None:
         """Forget every per-sample result: ``.grad_sample = None`` and no norms (called on entering)."""
-        self._records = {}
+        self._records, self._before = {}, {}
         for p in self._params():
             p.grad_sample = None  # type: ignore[attr-defined]
 
     def _params(self) -> list[nn.Parameter]:
-        return [p for params in self._trainable.values() for p in params.values()]
+        """Every trainable parameter of a supported module, once each (a tied parameter is in two modules)."""
+        return list({id(p): p for params in self._trainable.values() for p in params.values()}.values())
 
     # ---- hooks ----------------------------------------------------------------------------------
+    def _check_mixing(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        why = mixes_samples(module) if torch.is_grad_enabled() else None
+        if why:
+            raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) {why}")
+
+    def _check_outer_ddp(self) -> None:
+        """A forward inside a DDP module that synchronises: its buckets would all-reduce before any clipping."""
+        active = getattr(_ddp_class(), "_active_ddp_module", None)
+        if active is not None and active.require_backward_grad_sync:
+            raise ValueError("PerSampleGrads: the forward runs inside a DistributedDataParallel module that "
+                             "all-reduces gradients during the backward, before they can be clipped per sample; "
+                             "pass the DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
+
     def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled():
+            self._check_outer_ddp()
             for k, p in self._trainable[module].items():
                 module._parameters[k] = p.detach()  # type: ignore[assignment]
             self._swapped.add(module)
@@ -200,8 +279,16 @@ class PerSampleGrads:
         callback = functools.partial(self._backward, module, args[0].detach(), list(params))
         return _Tap.apply(callback, output, *params.values())
 
+    def _remember_grads(self, params: list[nn.Parameter]) -> None:
+        """Keep .grad as it was before this context's backward, for clip_and_accumulate to add to."""
+        adds = not self.norms_only and self._ddp is None  # the backward then adds to .grad, possibly in place
+        for p in params:
+            if id(p) not in self._before:
+                self._before[id(p)] = None if p.grad is None else p.grad.clone() if adds else p.grad
+
     def _backward(self, module: nn.Module, x: torch.Tensor, names: list[str],
                   grad_output: torch.Tensor) -> list[torch.Tensor | None]:
+        self._remember_grads([self._trainable[module][k] for k in names])
         scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
         layer = self._rules[module](module, x, grad_output.detach(), scale)
         if not self.norms_only:
@@ -209,6 +296,8 @@ class PerSampleGrads:
             for k, g in grads.items():
                 p = self._trainable[module][k]
                 p.grad_sample = g if getattr(p, "grad_sample", None) is None else p.grad_sample + g  # type: ignore
+            if self._ddp is not None:  # this rank's sum alone would be a wrong .grad; clip_and_accumulate reduces
+                return [None] * len(names)
             return [grads[k].sum(0).div_(scale) if k in grads else None for k in names]
         rec = self._records.setdefault(module, _Record())
         rec.calls += 1
@@ -226,12 +315,14 @@ class PerSampleGrads:
 
     # ---- results --------------------------------------------------------------------------------
     def _per_sample(self) -> list[tuple[nn.Module, Grads | None, Layer | None, torch.Tensor | None]]:
-        """(module, gradients, layer, squared norm) for every module that received a gradient."""
+        """(module, gradients, layer, squared norm) for every module that received a gradient; a parameter shared
+        by two modules (its .grad_sample holds both) is listed under the first only."""
         if not self.norms_only:
-            out = []
-            for m in self._rules:
-                gs = {k: p.grad_sample for k, p in m.named_parameters(recurse=False)
-                      if getattr(p, "grad_sample", None) is not None}
+            out, seen = [], set()
+            for m, params in self._trainable.items():
+                gs = {k: p.grad_sample for k, p in params.items()
+                      if getattr(p, "grad_sample", None) is not None and id(p) not in seen}
+                seen.update(id(params[k]) for k in gs)
                 if gs:
                     out.append((m, gs, None, None))
             return out
@@ -241,7 +332,8 @@ class PerSampleGrads:
         """Per-sample L2 norms over the gradients of every supported parameter.
 
         Returns:
-            ``(N,)``, the norm of each sample's whole gradient (every layer, weight and bias).
+            ``(N,)``, the norm of each sample's whole gradient (every layer, weight and bias); under
+            DistributedDataParallel, of this rank's N samples.
 
         Raises:
             RuntimeError: no per-sample gradient was recorded (no backward ran inside the context).
@@ -254,22 +346,26 @@ class PerSampleGrads:
         if total is None:
             raise RuntimeError("PerSampleGrads.norms: no per-sample gradient was recorded; run the forward pass "
                                "and loss.backward() inside the `with PerSampleGrads(model)` block")
-        return total.sqrt()
+        return total.clamp(min=0).sqrt()  # a ghost norm near 0 can round below it
 
     def clip_and_accumulate(self, max_norm: float) -> torch.Tensor:
-        """Set each parameter's ``.grad`` to the sum over samples of its per-sample gradient clipped to max_norm.
+        """Add to each parameter's ``.grad`` the sum over samples of its per-sample gradient clipped to max_norm.
 
         Sample n is scaled by ``min(1, max_norm / (norm[n] + 1e-6))`` (Opacus's factor), with norm[n]
         taken over the whole model. Where the gradients were not materialised (norms_only), each
         layer makes one ordinary weight-gradient call (convgrad.conv_weight_grad, ...) on its
-        grad_output scaled per sample. ``.grad`` is replaced, not added to; parameters that
-        received no gradient get zeros. Add the noise and divide by the batch size yourself.
+        grad_output scaled per sample. The sum is added to ``.grad`` as it was before the context's
+        backward (the unclipped sum that backward put there is not kept), so that micro-batches of
+        one logical batch accumulate; calling it twice gives the same ``.grad``. Parameters that
+        received no gradient get zeros added. Under DistributedDataParallel the clipped sums of all
+        ranks are all-reduced (one call per dtype) before they are added, so every rank holds the
+        sum over the global batch. Add the noise and divide by the (global) batch size yourself.
 
         Args:
             max_norm: the clipping bound C > 0.
 
         Returns:
-            ``(N,)``, the per-sample norms before clipping.
+            ``(N,)``, the per-sample norms before clipping (this rank's samples under DDP).
 
         Raises:
             ValueError: max_norm is not positive. RuntimeError: as
@@ -279,15 +375,29 @@ class PerSampleGrads:
             raise ValueError(f"PerSampleGrads.clip_and_accumulate: max_norm={max_norm!r} must be a positive number")
         norms = self.norms()
         factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # (N,)
-        done: set[int] = set()
+        clipped: dict[int, torch.Tensor] = {}
         for m, grads, layer, _ in self._per_sample():
-            params = dict(m.named_parameters(recurse=False))
             summed = layer.clipped(factors) if grads is None else {  # type: ignore[union-attr]
                 k: torch.tensordot(factors.to(g.dtype), g, dims=1) for k, g in grads.items()}  # (*param.shape)
-            for k, g in summed.items():
-                params[k].grad = g
-                done.add(id(params[k]))
-        for p in self._params():
-            if id(p) not in done:
-                p.grad = torch.zeros_like(p)
+            clipped.update({id(self._trainable[m][k]): g for k, g in summed.items()})
+        params = self._params()
+        sums = [clipped[id(p)] if id(p) in clipped else torch.zeros_like(p) for p in params]
+        if self._ddp is not None:
+            self._all_reduce(sums)
+        for p, g in zip(params, sums, strict=True):
+            before = self._before.get(id(p), p.grad)
+            p.grad = g if before is None else before + g
         return norms
+
+    def _all_reduce(self, tensors: list[torch.Tensor]) -> None:
+        """Sum the tensors over the DDP module's process group, in place in the list: one call per dtype."""
+        import torch.distributed as dist
+
+        kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, t in enumerate(tensors):
+            kinds.setdefault((t.dtype, t.device), []).append(i)
+        for idx in kinds.values():
+            flat = torch.cat([tensors[i].reshape(-1) for i in idx])  # (Σ numel,)
+            dist.all_reduce(flat, group=self._ddp.process_group)  # type: ignore[union-attr]
+            for i, chunk in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+                tensors[i] = chunk.view_as(tensors[i])

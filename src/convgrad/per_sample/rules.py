@@ -9,6 +9,8 @@ Contractions per sample n (P: positions, the dims between batch and features):
     Linear     gw[n] [out, in] = gy[n]ᵀ [out, P] · x[n] [P, in];   gb[n] = Σ_P gy[n]
     GroupNorm  gγ[n] [C] = Σ_space gy[n] ⊙ x̂[n];                   gβ[n] = Σ_space gy[n]
     LayerNorm  gγ[n] [*D] = Σ_P gy[n] ⊙ x̂[n];                      gβ[n] = Σ_P gy[n]
+    BatchNorm  gγ[n] [C] = Σ_space gy[n] ⊙ x̂[n];                   gβ[n] = Σ_space gy[n]   (eval mode only:
+               x̂ = (x - running_mean) / sqrt(running_var + eps) treats each sample alone)
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from convgrad.per_sample import methods
 from convgrad.per_sample.functional import per_sample_bias_grad
 from convgrad.spec import ConvSpec
 
-__all__ = ["RULES", "Layer", "rule_for"]
+__all__ = ["RULES", "SAMPLE_MIXING", "ConvLayer", "Layer", "mixes_samples", "rule_for"]
 
 Grads = dict[str, torch.Tensor]
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+SAMPLE_MIXING = (nn.modules.batchnorm._BatchNorm,)  # module types whose forward may mix the samples of a batch
 
 
 class Layer:
@@ -65,6 +69,10 @@ class Layer:
         """(N,) squared norms; rules with big gradients override this to work chunk by chunk."""
         return sum(g.flatten(1).square().sum(1) for g in self.grads().values())  # type: ignore[return-value]
 
+    def param_sq_norms(self) -> Grads:
+        """{name: (N,) squared norm of that parameter's per-sample gradient} (Opacus keeps one norm per parameter)."""
+        return {k: g.flatten(1).square().sum(1) for k, g in self.grads().items()}
+
     def clipped(self, factors: torch.Tensor) -> Grads:
         """{name: Σ_n factors[n]·grad[n]}, with one ordinary (batch-summed) gradient call on a scaled grad_output."""
         raise NotImplementedError
@@ -90,6 +98,17 @@ def rule_for(module: nn.Module) -> type[Layer] | None:
         if base in RULES:
             own = type(module).forward is base.forward or type(module).__module__.startswith("convgrad.")
             return RULES[base] if own else None
+    return None
+
+
+def mixes_samples(module: nn.Module) -> str | None:
+    """Why the module's forward, as it is set now, mixes the samples of a batch (so that no sample has a gradient
+    of its own), or None. Checked at every forward: the mode can change after PerSampleGrads is built."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+            module.training or module.running_mean is None or module.running_var is None):
+        mode = "training mode" if module.training else "track_running_stats=False"
+        return (f"normalises with the statistics of the batch ({mode}), which mixes the samples; call .eval() on "
+                f"it to use its running statistics, or replace it by GroupNorm")
     return None
 
 
@@ -131,16 +150,29 @@ class ConvLayer(Layer):
             out["weight"] = gw.mul_(self.scale) if self.scale != 1 else gw
         return out
 
-    def _sq(self, weight_sq: Callable[[], torch.Tensor]) -> torch.Tensor:
-        sq = weight_sq() * self.scale**2 if self.has_weight else self.x.new_zeros(self.spec.batch)
-        return sq + self._bias()["bias"].square().sum(1) if self.has_bias else sq
+    def param_sq_norms(self, ghost: bool | None = None) -> Grads:
+        """Squared norms per parameter; the weight's by the ghost norm (ghost=True), chunk by chunk from materialised
+        gradients (False), or by whichever costs fewer operations (None, the default)."""
+        out = {}
+        if self.has_weight:
+            if self.ghost_cheaper if ghost is None else ghost:
+                sq = methods.ghost_sq_norms(self.spec, *self.sides)
+            else:
+                sq = methods.materialised_sq_norms(self.spec, *self.sides, methods.choose_method(self.spec, False))
+            out["weight"] = sq * self.scale**2
+        if self.has_bias:
+            out["bias"] = self._bias()["bias"].square().sum(1)
+        return out
+
+    def _sq(self, ghost: bool) -> torch.Tensor:
+        parts = list(self.param_sq_norms(ghost).values())
+        return sum(parts[1:], parts[0]) if parts else self.x.new_zeros(self.spec.batch)
 
     def ghost_sq_norms(self) -> torch.Tensor:
-        return self._sq(lambda: methods.ghost_sq_norms(self.spec, *self.sides))
+        return self._sq(ghost=True)
 
     def materialised_sq_norms(self) -> torch.Tensor:
-        method = methods.choose_method(self.spec, norms=False)
-        return self._sq(lambda: methods.materialised_sq_norms(self.spec, *self.sides, method))
+        return self._sq(ghost=False)
 
     def clipped(self, factors: torch.Tensor) -> Grads:
         s, gy = self.spec, self._scaled_gy(factors)  # (N, C_out, *out)
@@ -240,3 +272,16 @@ class LayerNormLayer(_NormLayer):
     def _sum_dims(self) -> list[int]:
         return list(range(1, self.x.dim() - len(self.module.normalized_shape)))
 
+
+
+@register(*_BATCH_NORMS)
+class BatchNormLayer(_NormLayer):
+    """BatchNorm with frozen running statistics (eval mode; PerSampleGrads refuses it in training mode at the
+    forward): an affine map per channel, with no sample depending on another."""
+
+    def _normalised(self) -> torch.Tensor:
+        m: nn.modules.batchnorm._BatchNorm = self.module  # type: ignore[assignment]
+        return F.batch_norm(self.x, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)  # (N, C, *)
+
+    def _sum_dims(self) -> list[int]:
+        return list(range(2, self.x.dim()))

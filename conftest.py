@@ -1,0 +1,5 @@
+"""pytest at the repository root: the doctests of convgrad.opacus need Opacus, an optional extra."""
+
+import importlib.util
+
+collect_ignore = [] if importlib.util.find_spec("opacus") else ["src/convgrad/opacus.py"]

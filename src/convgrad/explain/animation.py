@@ -1,0 +1,97 @@
+"""Recipe.animate: a step-through of every cell each computation produces, written with matplotlib's writers.
+
+The frames are explain's frames (explain/frames.py), drawn by explain/render.py: one figure per file, its
+background drawn once per computation and each frame's parts (footprint, kernel, current cell) drawn
+over it in turn. GIF and WebP go through Pillow; MP4 through matplotlib's FFMpegWriter, which needs
+ffmpeg and says so when it is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from matplotlib import animation
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from PIL import Image
+
+from convgrad.explain import render
+from convgrad.explain.frames import GRADIENTS
+
+if TYPE_CHECKING:
+    from convgrad.explain.recipe import Recipe
+
+__all__ = ["SUFFIXES", "animate", "frames"]
+
+SUFFIXES = (".gif", ".webp", ".mp4", ".html")
+
+
+def _layouts(recipe: Recipe, gradients: tuple[str, ...], max_frames: int, fn: str) -> list[render.Layout]:
+    unknown = [g for g in gradients if g not in GRADIENTS]
+    if unknown or not gradients:
+        raise ValueError(f"{fn}: gradients={gradients!r} must be a non-empty selection of {GRADIENTS}")
+    if max_frames < len(gradients):
+        raise ValueError(f"{fn}: max_frames={max_frames} must be at least one frame per gradient ({len(gradients)})")
+    return [render.layout(recipe.scene(g), max_frames // len(gradients)) for g in gradients]
+
+
+def frames(recipe: Recipe, gradients: tuple[str, ...], max_frames: int,
+           fn: str = "Recipe.animate") -> Iterator[tuple[Figure, Image.Image, str]]:
+    """Every frame in turn: (the figure it is drawn on, the frame as an image, a label).
+
+    The background of each computation is drawn once; each frame restores it, adds its produced value (which
+    stays) and draws its own parts over it (blitting), so a frame costs only what changes.
+    """
+    layouts = _layouts(recipe, gradients, max_frames, fn)
+    fig = render.figure(max(lay.height for lay in layouts))
+    canvas = FigureCanvasAgg(fig)
+    for lay in layouts:
+        fig.clear()
+        values = render.values(lay.scene)
+        ax = render.background(fig, lay, values)
+        canvas.draw()
+        for n, frame in enumerate(lay.frames):
+            if n == 0:
+                background = canvas.copy_from_bbox(fig.bbox)
+            canvas.restore_region(background)
+            for part in render.result_value(ax, lay, frame, values):
+                ax.draw_artist(part)
+            background = canvas.copy_from_bbox(fig.bbox)
+            parts = render.frame_artists(ax, lay, frame, values)
+            for part in parts:
+                ax.draw_artist(part)
+            image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba()).convert("RGB")
+            yield fig, image, f"{lay.scene.gradient} {n + 1}/{len(lay.frames)}: {lay.scene.result} cell {frame.cell}"
+            for part in parts:
+                part.remove()
+
+
+def animate(recipe: Recipe, path: Path, gradients: tuple[str, ...], max_frames: int, fps: float) -> Path:
+    """Write the animation of Recipe.animate to ``path``: GIF or WebP with Pillow, MP4 with ffmpeg."""
+    suffix = path.suffix.lower()
+    if suffix == ".html":
+        from convgrad.explain.html import to_html
+
+        return to_html(recipe, path, gradients, max_frames)
+    if suffix not in SUFFIXES:
+        raise ValueError(f"Recipe.animate: path={str(path)!r} must end in one of {SUFFIXES}")
+    if not fps > 0:
+        raise ValueError(f"Recipe.animate: fps={fps!r} must be positive")
+    if suffix == ".mp4":
+        if not animation.writers.is_available("ffmpeg"):
+            raise ValueError(f"Recipe.animate: {path} needs ffmpeg, which is not installed; write a .gif or .webp "
+                             f"(Pillow) or an .html page instead")
+        writer = animation.FFMpegWriter(fps=fps)
+        drawn = frames(recipe, gradients, max_frames)
+        fig, _, _ = next(drawn)
+        with writer.saving(fig, str(path), dpi=render.DPI):
+            writer.grab_frame()
+            for _ in drawn:
+                writer.grab_frame()
+        return path
+    images = [image for _, image, _ in frames(recipe, gradients, max_frames)]
+    # what matplotlib's PillowWriter does, from the blitted canvas: a palette per frame, looping forever
+    images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
+    return path

@@ -1,0 +1,185 @@
+"""convgrad's per-sample rules inside Opacus: every convolution as a grad sampler and as an exact norm sampler.
+
+Opacus (``pip install convgrad[opacus]``) computes per-sample gradients with one function per
+module type, looked up by the exact ``type(module)`` in two registries:
+
+    GRAD_SAMPLERS  fn(module, activations, backprops) -> {param: (N, *param.shape)}   grad_sample_mode="hooks"
+    NORM_SAMPLERS  fn(module, activations, backprops) -> {param: (N,) unsquared norm} "ghost" (fast clipping)
+
+``activations`` is the list of the module's forward inputs and ``backprops`` its grad_output,
+already multiplied by N when the loss is a mean. A norm sampler must give an entry for every
+trainable parameter, bias included. A module type without a norm sampler falls back to its grad
+sampler (or to functorch) and materialises its per-sample gradients even in ghost mode.
+
+Opacus 1.6 has no norm sampler for any convolution, no rule for ConvTranspose (functorch runs
+instead), and its conv rule ignores ``padding_mode``. ``register()`` installs, for the six
+torch.nn convolutions, their convgrad.nn drop-ins and the classes ``convgrad.patch`` gives them,
+the rules of ``PerSampleGrads`` (``convgrad.per_sample.rules``): any padding string or mode,
+groups, dilation, transposed convolutions with output_padding or ``output_size=``. The norm
+sampler takes each weight's norm by the ghost formula where that costs fewer operations, and
+chunk by chunk from materialised gradients where it does not; the norms are exact either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from convgrad.per_sample.rules import ConvLayer
+
+__all__ = ["grad_sampler", "norm_sampler", "register", "unregister"]
+
+_ABSENT = object()  # the registry had no entry for the type
+_saved: dict[str, dict[type, Any]] = {}  # registry name -> type -> entry before register()
+
+
+def _module_types() -> list[type]:
+    """Every class whose forward is a plain convolution: torch.nn's, convgrad.nn's and the patched ones."""
+    from convgrad import nn as cgnn
+
+    torch_convs = [nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d]
+    ours = [cgnn.Conv1d, cgnn.Conv2d, cgnn.Conv3d, cgnn.ConvTranspose1d, cgnn.ConvTranspose2d, cgnn.ConvTranspose3d]
+    return torch_convs + ours + [cgnn._patched_class(t) for t in torch_convs]
+
+
+def _rule(module: nn.Module, activations: list[torch.Tensor], backprops: torch.Tensor) -> ConvLayer:
+    x = activations[0].to(backprops.dtype)  # autocast: the input may be in lower precision than grad_output
+    return ConvLayer(module, x, backprops, 1.0)  # Opacus has already scaled backprops for a mean loss
+
+
+def grad_sampler(module: nn.Module, activations: list[torch.Tensor],
+                 backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Opacus grad sampler: the per-sample gradient of every trainable parameter of one convolution.
+
+    Args:
+        module: a Conv1d/2d/3d or ConvTranspose1d/2d/3d (torch.nn or convgrad.nn).
+        activations: ``[input]``, the module's forward input ``(N, C_in, *spatial)``.
+        backprops: grad_output ``(N, C_out, *out_spatial)``, as Opacus passes it (times N for a mean loss).
+
+    Returns:
+        ``{param: (N, *param.shape)}`` for the trainable weight and bias.
+
+    Source: docs/per_sample.md ("Opacus"); Opacus's ``register_grad_sampler`` contract.
+
+    Examples:
+        >>> import torch, convgrad.opacus
+        >>> conv = torch.nn.Conv1d(2, 4, 3, padding=1, padding_mode="reflect")
+        >>> x, gy = torch.randn(5, 2, 7), torch.randn(5, 4, 7)
+        >>> grads = convgrad.opacus.grad_sampler(conv, [x], gy)
+        >>> grads[conv.weight].shape, grads[conv.bias].shape
+        (torch.Size([5, 4, 2, 3]), torch.Size([5, 4]))
+    """
+    return {getattr(module, k): g for k, g in _rule(module, activations, backprops).grads().items()}
+
+
+def norm_sampler(module: nn.Module, activations: list[torch.Tensor],
+                 backprops: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    """Opacus norm sampler (ghost clipping): each trainable parameter's per-sample gradient norm, not squared.
+
+    Args:
+        module, activations, backprops: as for [grad_sampler][convgrad.opacus.grad_sampler].
+
+    Returns:
+        ``{param: (N,)}`` for the trainable weight and bias; the norm over both is the layer's norm.
+
+    Source: docs/per_sample.md ("ghost norms"); Opacus's ``register_norm_sampler`` contract.
+
+    Examples:
+        >>> import torch, convgrad.opacus
+        >>> conv = torch.nn.Conv2d(8, 8, 3, groups=2)
+        >>> x, gy = torch.randn(5, 8, 4, 4), torch.randn(5, 8, 2, 2)
+        >>> norms = convgrad.opacus.norm_sampler(conv, [x], gy)
+        >>> grads = convgrad.opacus.grad_sampler(conv, [x], gy)
+        >>> all(torch.allclose(norms[p], g.flatten(1).norm(dim=1), rtol=1e-4) for p, g in grads.items())
+        True
+    """
+    sq = _rule(module, activations, backprops).param_sq_norms()
+    return {getattr(module, k): s.clamp(min=0).sqrt() for k, s in sq.items()}  # rounding can go below 0
+
+
+def _registries() -> dict[str, dict[type, Any]]:
+    try:
+        from opacus.grad_sample import GradSampleHooks, GradSampleHooksFastGradientClipping
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError("convgrad.opacus: Opacus is not installed; pip install convgrad[opacus] "
+                                  "(with -c constraints.txt to keep the pinned torch)") from err
+    return {"grad": GradSampleHooks.GRAD_SAMPLERS, "norm": GradSampleHooksFastGradientClipping.NORM_SAMPLERS}
+
+
+_OURS = {"grad": grad_sampler, "norm": norm_sampler}
+
+
+def register() -> None:
+    """Install convgrad's conv rules in Opacus, for ``grad_sample_mode="hooks"`` and ``"ghost"``.
+
+    Registers [grad_sampler][convgrad.opacus.grad_sampler] and [norm_sampler][convgrad.opacus.norm_sampler]
+    for Conv1d/2d/3d and ConvTranspose1d/2d/3d of torch.nn, of convgrad.nn, and the classes
+    ``convgrad.patch`` gives them. Call it before Opacus wraps the model (``make_private``,
+    ``GradSampleModule``): the wrapper decides at that moment which layers run through functorch.
+    The entries found before the first call are kept for
+    [unregister][convgrad.opacus.unregister]; calling it again changes nothing else.
+
+    Raises:
+        ModuleNotFoundError: Opacus is not installed.
+
+    Source: docs/per_sample.md ("Opacus").
+
+    Examples:
+        >>> import torch, convgrad.opacus
+        >>> from opacus import GradSampleModule
+        >>> convgrad.opacus.register()
+        >>> model = torch.nn.Sequential(torch.nn.ConvTranspose2d(2, 3, 3, stride=2, output_padding=1),
+        ...                             torch.nn.Conv2d(3, 2, 4, padding="same", padding_mode="circular"))
+        >>> gsm = GradSampleModule(model, loss_reduction="sum")
+        >>> gsm(torch.randn(4, 2, 5, 5)).square().sum().backward()
+        >>> model[0].weight.grad_sample.shape, model[1].bias.grad_sample.shape
+        (torch.Size([4, 2, 3, 3, 3]), torch.Size([4, 2]))
+        >>> convgrad.opacus.unregister()
+    """
+    registries = _registries()
+    types = _module_types()
+    for name, registry in registries.items():
+        saved = _saved.setdefault(name, {})
+        for t in types:
+            if t not in saved:
+                saved[t] = registry.get(t, _ABSENT)
+            registry[t] = _OURS[name]
+
+
+def unregister() -> None:
+    """Put back the Opacus entries that [register][convgrad.opacus.register] replaced.
+
+    Types that had an entry get it back; types that had none lose ours. An entry that someone
+    replaced after ``register()`` is left as it is. Models Opacus wrapped while the rules were
+    registered look their layers up again at each backward. Without a prior ``register()`` it does
+    nothing.
+
+    Raises:
+        ModuleNotFoundError: Opacus is not installed.
+
+    Source: docs/per_sample.md ("Opacus").
+
+    Examples:
+        >>> import torch, convgrad.opacus
+        >>> from opacus.grad_sample import GradSampleHooks
+        >>> before = GradSampleHooks.GRAD_SAMPLERS[torch.nn.Conv2d]
+        >>> convgrad.opacus.register()
+        >>> GradSampleHooks.GRAD_SAMPLERS[torch.nn.Conv2d] is convgrad.opacus.grad_sampler
+        True
+        >>> convgrad.opacus.unregister()
+        >>> GradSampleHooks.GRAD_SAMPLERS[torch.nn.Conv2d] is before
+        True
+    """
+    registries = _registries()
+    for name, saved in _saved.items():
+        registry = registries[name]
+        for t, entry in saved.items():
+            if registry.get(t) is not _OURS[name]:
+                continue
+            if entry is _ABSENT:
+                del registry[t]
+            else:
+                registry[t] = entry
+    _saved.clear()

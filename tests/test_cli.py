@@ -1,0 +1,143 @@
+"""The command line as a user meets it: real processes, real pipes; one line on stderr and exit 2 for a user error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from convgrad import cli
+
+CONFIG = ["--input", "2,4,9,9", "--weight", "6,2,3,3", "--stride", "2", "--groups", "2"]
+ABSENT_CUDA = "cuda:99" if torch.cuda.is_available() else "cuda"  # a device this machine does not have
+
+
+def _convgrad(*args: str, cwd: Path | None = None, stdout: Any = subprocess.PIPE,
+              program: tuple[str, ...] = (sys.executable, "-m", "convgrad")) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*program, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=cwd, timeout=600)
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess[str], command: str, message: str) -> None:
+    err = proc.stderr
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "Traceback" not in err and err.count("\n") == 1 and err.endswith("\n"), err
+    assert err.startswith(f"convgrad {command}: error: ") and message in err, err
+    assert f"error: {command}:" not in err and f"error: convgrad {command}:" not in err  # one prefix
+
+
+def test_python_m_convgrad_runs_the_commands() -> None:
+    proc = _convgrad("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    for command in ("demo", "check", "bench", "explain"):
+        assert command in proc.stdout
+    proc = _convgrad("check", *CONFIG, "--backend", "fwdconv", "--dtype", "float16")
+    assert proc.returncode == 0 and "every gradient within its error bound" in proc.stdout, proc.stdout + proc.stderr
+
+
+MODEL = textwrap.dedent("""
+    import torch
+
+    def small_cnn():
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=2), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1))
+""")
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "mymodels.py").write_text(MODEL)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("command", "argv", "message"), [
+    ("check", [*CONFIG, "--device", ABSENT_CUDA], f"--device={ABSENT_CUDA} is not available here"),
+    ("explain", [*CONFIG, "--device", ABSENT_CUDA], f"--device={ABSENT_CUDA} is not available here"),
+    ("check", [*CONFIG, "--device", "foo"], "--device=foo is not a device"),
+    ("explain", [*CONFIG, "--device", "foo"], "--device=foo is not a device"),
+    ("explain", [*CONFIG, "--plot", "/nonexistent/dir/x.png"], "/nonexistent/dir/x.png: No such file or directory"),
+    ("explain", [*CONFIG, "--plot", "{tmp}/mymodels.py/x.png"], "mymodels.py/x.png: Not a directory"),
+    ("check", ["--model", "mymodels:small_cnn", "--input-shape", "2,5,9,9"],
+     "--model='mymodels:small_cnn' fails on --input-shape=2,5,9,9 (RuntimeError: Given groups=1"),
+    ("check", ["--model", "mymodels", "--input-shape", "2,3,9,9"],
+     "--model='mymodels' must be module:factory or path/to/file.py:factory"),
+    ("check", ["--model", "mymodels:nothing", "--input-shape", "2,3,9,9"], "mymodels has no callable 'nothing'"),
+    ("check", ["--model", "missing.py:small_cnn", "--input-shape", "2,3,9,9"], "there is no file 'missing.py'"),
+    ("check", ["--input", "2,4,9,9", "--weight", "6,2,3,3", "--groups", "3"], "groups=3 must divide in_channels=4"),
+    ("explain", ["--input", "2,4,9", "--weight", "4,3,3", "--groups", "2"], "weight.shape=(4, 3, 3) with groups=2"),
+])
+def test_user_errors_are_one_line_and_exit_2(command: str, argv: list[str], message: str, model_dir: Path) -> None:
+    """Before: tracebacks (AssertionError for cuda, FileNotFoundError for --plot, the model's RuntimeError),
+    doubled prefixes ("convgrad check: error: check: ...")."""
+    proc = _convgrad(command, *(a.replace("{tmp}", str(model_dir)) for a in argv), cwd=model_dir)
+    _assert_one_line_error(proc, command, message)
+
+
+def test_model_in_the_current_directory_with_the_console_script(model_dir: Path) -> None:
+    """The `convgrad` script does not put the cwd on sys.path; `--model mymodels:small_cnn` must still import."""
+    script = Path(sys.executable).with_name("convgrad")
+    if not script.exists():
+        pytest.skip("the convgrad console script is not installed next to this interpreter")
+    proc = _convgrad("check", "--model", "mymodels:small_cnn", "--input-shape", "2,3,9,9", "--dtype", "bfloat16",
+                     cwd=model_dir, program=(str(script),))
+    assert proc.returncode == 0, proc.stderr
+    assert "every gradient within its error bound" in proc.stdout and "fwdconv" in proc.stdout
+
+
+def test_model_given_as_a_file_path(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    proc = _convgrad("check", "--model", f"{model_dir / 'mymodels.py'}:small_cnn", "--input-shape", "1,3,7,7",
+                     "--backend", "gemm", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("Conv2d(") == 2 and proc.stdout.count("grad_bias") == 2  # each conv named once
+
+
+@pytest.mark.parametrize("command", ["check", "explain"])
+def test_padding_error_names_every_accepted_form(command: str) -> None:
+    proc = _convgrad(command, *CONFIG, "--padding", "foo")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"convgrad {command}: error: argument --padding: 'foo' must be")
+    for form in ("an int", "comma list", "'same'", "'valid'", "lo:hi"):
+        assert form in last, last
+
+
+@pytest.mark.parametrize("argv", [["explain", *CONFIG], ["explain", *CONFIG, "--code"], ["check", *CONFIG],
+                                  ["check", "--random", "3", "--backend", "native"]])
+def test_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
+    """`convgrad ... | head -1`: the reader is gone before the first write; no message, no traceback."""
+    read, write = os.pipe()
+    os.close(read)  # every write now fails with EPIPE, deterministically
+    try:
+        proc = _convgrad(*argv, stdout=write)
+    finally:
+        os.close(write)
+    assert proc.stderr == "" and proc.returncode == 1
+
+
+def test_head_in_a_shell_pipeline_ends_quietly() -> None:
+    script = f"{sys.executable} -m convgrad check --random 40 --verbose | head -1"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.stderr == "" and len(proc.stdout.splitlines()) == 1
+
+
+def test_interrupt_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(args: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("convgrad.cli.check.run", interrupted)
+    assert cli.main(["check", *CONFIG]) == 130
+    assert capsys.readouterr().err == "convgrad check: interrupted\n"
+
+
+def test_library_prefixes_are_not_repeated(capsys: pytest.CaptureFixture[str]) -> None:
+    """Messages that already name the command ("check: ...", "convgrad bench: ...") keep one prefix."""
+    assert cli.main(["check", "--random", "0"]) == 2
+    assert capsys.readouterr().err == "convgrad check: error: --random=0 must be positive\n"
+    assert cli.main(["bench", "--suite", "smoke", "--threads", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convgrad bench: error: --threads=0") and err.count("convgrad bench") == 1, err
