@@ -8,7 +8,8 @@ to the plain step of the same rounds, and the peak memory allocated on the devic
 
 Usage (run by benchmarks/gpu_check.sh):
     PYTHONPATH=src python benchmarks/gpu_per_sample.py --out results/ --repeats 10
-    PYTHONPATH=src python benchmarks/gpu_per_sample.py --device cpu --batch 2 --repeats 1   # a quick check
+    PYTHONPATH=src python benchmarks/gpu_per_sample.py --device cpu --models resnet18 --batch 2 --image-size 8 \
+        --repeats 1                                                                              # a quick check
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ def _peak_mib(device: torch.device, step: Any, x: torch.Tensor, y: torch.Tensor)
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
-def run_model(name: str, device: torch.device, batch: int, repeats: int) -> list[dict[str, Any]]:
+def run_model(name: str, device: torch.device, batch: int, repeats: int, size: int = 32) -> list[dict[str, Any]]:
     """Every (contender, quantity) of one model, timed in interleaved rounds after one warm-up step each."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 3, 32, 32, generator=gen).to(device)
+    channels, *spatial = ps.INPUT_SHAPES[name]  # one sample's shape; images are resized to size x size
+    shape = (channels, size, size) if len(spatial) == 2 else (channels, *spatial)
+    x = torch.randn(batch, *shape, generator=gen).to(device)
     y = torch.randint(0, ps.CLASSES, (batch,), generator=gen).to(device)
     steps, rows = {}, []
     for contender, setup in CONTENDERS.items():
@@ -85,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--batch", type=int, default=ps.BATCH, help=f"samples per step (default {ps.BATCH})")
     p.add_argument("--repeats", type=int, default=10, help="interleaved rounds (default 10)")
+    p.add_argument("--image-size", type=int, default=32, help="height and width of the inputs; vgg11 needs 32 "
+                   "(default 32)")
     p.add_argument("--out", type=Path, default=None, help="folder for per_sample.json and per_sample.md")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.batch < 1:
-        p.error(f"--repeats {args.repeats} and --batch {args.batch} must be at least 1")
+    if min(args.repeats, args.batch, args.image_size) < 1:
+        p.error(f"--repeats {args.repeats}, --batch {args.batch} and --image-size {args.image_size} must be at "
+                f"least 1")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: torch sees no CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
-    rows = [r for m in args.models for r in run_model(m, device, args.batch, args.repeats)]
+    rows = [r for m in args.models for r in run_model(m, device, args.batch, args.repeats, args.image_size)]
     table = markdown(rows)
     print(table, end="")
     if args.out is not None:

@@ -69,6 +69,9 @@ def model_dir(tmp_path: Path) -> Path:
     ("check", ["--model", "missing.py:small_cnn", "--input-shape", "2,3,9,9"], "there is no file 'missing.py'"),
     ("check", ["--input", "2,4,9,9", "--weight", "6,2,3,3", "--groups", "3"], "groups=3 must divide in_channels=4"),
     ("explain", ["--input", "2,4,9", "--weight", "4,3,3", "--groups", "2"], "weight.shape=(4, 3, 3) with groups=2"),
+    ("check", ["--input", "100000,100000,100000", "--weight", "1,100000,1", "--backend", "native"],
+     "not enough memory for these sizes (tried to allocate 8000000000000000 bytes)"),  # 8 PB: beyond any address space
+    ("demo", ["--out", "{tmp}/mymodels.py/run", "--steps", "1"], "mymodels.py/run: Not a directory"),  # before training
 ])
 def test_user_errors_are_one_line_and_exit_2(command: str, argv: list[str], message: str, model_dir: Path) -> None:
     """Before: tracebacks (AssertionError for cuda, FileNotFoundError for --plot, the model's RuntimeError),

@@ -40,6 +40,7 @@ def _load(name: str, path: Path) -> ModuleType:
 
 
 cli_output = _load("cli_output", DOCS / "cli_output.py")
+first_call_cost = _load("first_call_cost", DOCS / "first_call_cost.py")
 
 
 def python_blocks(page: Path) -> list[str]:
@@ -303,7 +304,7 @@ def test_every_cli_page_asks_for_real_output() -> None:
     for name in COMMANDS:
         commands = [b.command for b in cli_output.blocks(DOCS / "cli" / f"{name}.md")]
         assert f"convgrad {name} --help" in commands
-        assert any(c != f"convgrad {name} --help" for c in commands) or name == "bench", commands
+        assert any(c != f"convgrad {name} --help" for c in commands), commands
 
 
 def test_cli_output_is_current() -> None:
@@ -334,3 +335,27 @@ def test_a_stale_block_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     problems = cli_output.regenerate(check_only=True)
     assert len(problems) == 3 and "exit status 0, expected 2" in problems[0], problems
     assert "<!-- cli-output exit=2" in page.read_text() and "\nold\n" in page.read_text()  # --check writes nothing
+
+
+# ---- the first-call figures of the backends page come from docs/first_call_cost.py --------------------------------
+
+def test_first_call_table_is_the_scripts() -> None:
+    page = (DOCS / "backends.md").read_text()
+    table = page.split("<!-- first-call-cost: python docs/first_call_cost.py --write -->\n")[1]
+    table = table.split("<!-- /first-call-cost -->")[0]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[0].removeprefix("| ") for r in rows[1:]] == list(first_call_cost.MODES)
+    assert all(cell.removesuffix(" |").isdigit() for r in rows[1:] for cell in r[1:])
+    assert re.search(r"^Measured on .+, \d+ cores, torch .+\.$", table, flags=re.M)
+
+
+def test_first_call_table_is_written_between_the_markers(tmp_path: Path) -> None:
+    page = tmp_path / "backends.md"
+    page.write_text("before\n<!-- first-call-cost: python docs/first_call_cost.py --write -->\nold\n"
+                    "<!-- /first-call-cost -->\nafter\n")
+    first_call_cost.write("| new |\n", page)
+    assert page.read_text() == ("before\n<!-- first-call-cost: python docs/first_call_cost.py --write -->\n| new |\n"
+                                "<!-- /first-call-cost -->\nafter\n")
+    page.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        first_call_cost.write("| new |\n", page)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from torch import nn
 
 import convgrad as cg
 from helpers import assert_matches_autograd
+from ranks import run_ranks
 
 DT = torch.float64
 TIMEOUT_S = 180  # two fresh interpreters import torch, convgrad and Opacus on a shared machine
@@ -152,40 +151,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, max_norm: float) -> 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(out_dir: str, max_norm: float) -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_worker, args=(2, _free_port(), out_dir, max_norm), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the 2-process run did not finish within {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], float]:
-    from torch.multiprocessing import ProcessExitedException
-
     out_dir = tmp_path_factory.mktemp("ddp")
     max_norm = _max_norm()
-    try:
-        _spawn(str(out_dir), max_norm)
-    except ProcessExitedException as e:  # gloo on a shared VM: a rank killed by a signal now and then; a second
-        if e.signal_name is None:  # run with a fresh port. An exception raised in a rank fails.
-            raise
-        _spawn(str(out_dir), max_norm)
+    run_ranks(_worker, lambda port: (2, port, str(out_dir), max_norm), nprocs=2, timeout_s=TIMEOUT_S)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)], max_norm
 
 

@@ -334,3 +334,25 @@ def test_cli_padding_forms() -> None:
     assert parse_padding("3") == 3 and parse_padding("1,2") == (1, 2)
     assert parse_padding("1:2,0:1") == ((1, 2), (0, 1))
     assert cli.main(["explain", "--input", "1,1,6,6", "--weight", "1,1,3,3", "--padding", "1:2"]) == 0
+
+
+@pytest.mark.parametrize(("args", "kw"), [(((0, 2, 7, 7), (3, 2, 3, 3)), {"stride": 2}),  # batch 0: zeros
+                                          (((2, 2, 7, 7), (3, 2, 4, 4)), {"padding": "same"}),
+                                          (((1, 2, 4, 4), (2, 3, 3, 3)), {"transposed": True, "stride": 2})])
+def test_to_python_creates_every_tensor_on_the_inputs_device(args: tuple, kw: dict) -> None:
+    """The meta device stands in for CUDA (no GPU needed): a tensor made on the CPU would show as 'cpu'."""
+    recipe = convgrad.explain(*args, **kw)
+    namespace: dict = {"__name__": "recipe"}
+    exec(compile(recipe.to_python(), "recipe.py", "exec"), namespace)
+    spec = recipe.spec
+    operands = [torch.randn(s, dtype=torch.float64, device="meta")
+                for s in (spec.input_shape, spec.weight_shape, spec.output_shape)]
+    for fn in ("recipe_grads", "autograd_grads"):  # autograd_grads' bias too
+        assert {k: v.device.type for k, v in namespace[fn](*operands).items()} == dict.fromkeys(
+            ("grad_input", "grad_weight", "grad_bias"), "meta"), fn
+    seen = []
+    recipe_grads = namespace["recipe_grads"]
+    namespace["recipe_grads"] = lambda *t: seen.extend(x.device.type for x in t) or recipe_grads(*t)
+    namespace["DEVICE"] = "meta"  # main() makes its tensors on DEVICE (cuda when there is one)
+    namespace["main"]()
+    assert seen == ["meta"] * 3

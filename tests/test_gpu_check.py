@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,17 @@ def test_the_script_parses_and_its_steps_fit_the_time_limits() -> None:
     assert "-k cuda" in steps[1][1] and "--device cuda" in steps[2][1] and "--device cuda" in steps[3][1]
 
 
+def test_each_bench_pattern_names_layers_of_the_suite() -> None:
+    """The layer names can change under the script: each pattern must still select something."""
+    bench = next(line for line in _run("--dry-run").stdout.splitlines() if line.startswith("bench "))
+    words = shlex.split(bench.split("): ", 1)[1])
+    patterns = words[words.index("--layers") + 1:]
+    from convgrad.cli.bench.layers import SUITES
+
+    names = [layer.name for layer in SUITES["default"]]  # the suite `convgrad bench` runs without --suite
+    assert patterns and all(fnmatch.filter(names, pattern) for pattern in patterns), (patterns, names)
+
+
 def test_without_cuda_it_stops_with_one_clear_line(tmp_path: Path) -> None:
     done = _run("--out", str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 2
@@ -46,12 +59,16 @@ def test_without_cuda_it_stops_with_one_clear_line(tmp_path: Path) -> None:
 
 def test_the_per_sample_step_runs_on_the_cpu(tmp_path: Path) -> None:
     """The same code the GPU step runs, tiny: it still finds per_sample.py's models and contenders."""
-    args = ["--device", "cpu", "--batch", "2", "--repeats", "1", "--models", "vgg11", "--out", str(tmp_path)]
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_per_sample.py"), *args], text=True,
-                          capture_output=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    assert done.returncode == 0, done.stderr
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_per_sample", ROOT / "benchmarks" / "gpu_per_sample.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    args = ["--device", "cpu", "--models", "resnet18", "--batch", "2", "--image-size", "8", "--repeats", "1",
+            "--out", str(tmp_path)]
+    assert module.main(args) == 0
     rows = json.loads((tmp_path / "per_sample.json").read_text())
     assert [(r["contender"], r["quantity"]) for r in rows] == [
         ("plain", None), ("convgrad", "a"), ("convgrad", "c"), ("torch.func", "a"), ("torch.func", "c")]
     assert all(r["median_s"] > 0 and len(r["times_s"]) == 1 for r in rows)
-    assert (tmp_path / "per_sample.md").read_text().count("| vgg11 |") == 5
+    assert (tmp_path / "per_sample.md").read_text().count("| resnet18 |") == 5

@@ -171,6 +171,42 @@ def test_constructor_and_forward_errors() -> None:
         m(torch.randn(1, 1, 5))
 
 
+def _module_kinds(key: tuple[int, int]) -> dict[str, nn.Module]:
+    """One module of the kind ``key`` (dims, transposed) built each way a user gets one."""
+    torch_cls, ours_cls = TORCH_CONV[key], CG_CONV[key]
+    user_cls = type(f"My{torch_cls.__name__}", (torch_cls,), {})
+    return {"cg.nn": ours_cls(2, 3, 3), "patched": cg.patch(torch_cls(2, 3, 3)),
+            "patched subclass": cg.patch(user_cls(2, 3, 3)),
+            "patched weight_norm": cg.patch(parametrizations.weight_norm(torch_cls(2, 3, 3)))}
+
+
+@pytest.mark.parametrize("key", list(TORCH_CONV), ids=str)
+def test_forward_errors_are_named_after_the_module(key: tuple[int, int]) -> None:
+    """``Conv2d: ...``, not the ``conv: ...`` of the function the module calls; a patched torch module is named
+    after its own class, never after the generated ``Patched...`` one."""
+    n = key[0]
+    for how, module in _module_kinds(key).items():
+        name = type(module).__name__ if how == "cg.nn" else TORCH_CONV[key].__name__
+        if how == "patched subclass":
+            name = f"My{name}"
+        with pytest.raises(ValueError, match=rf"^{name}: weight.shape=.* but input has 5 channels$"):
+            module(torch.randn(1, 5, *(7,) * n))  # the wrong number of channels
+        with pytest.raises(TypeError, match=rf"^{name}: weight.dtype=torch.float32 does not match "
+                                            rf"input.dtype=torch.float64$"):
+            module(torch.randn(1, 2, *(7,) * n, dtype=DT))
+        with pytest.raises(ValueError, match=rf"^{name}: input.shape=\(1, 2, .*\) must have {n + 2} dims"):
+            module(torch.randn(1, 2, *(4,) * (n + 1)))  # one dim too many
+
+
+def test_module_errors_at_backward_time_are_named_after_the_module() -> None:
+    m = cg.patch(nn.Conv2d(2, 3, 3), backend="numpy")
+    with pytest.raises(ValueError, match=r"^Conv2d: backend='numpy' does not support torch.func transforms"):
+        torch.func.grad(lambda x: m(x).sum())(torch.randn(1, 2, 5, 5))
+    m.padding_mode = "reflect"  # the explicit-padding path names the module too
+    with pytest.raises(ValueError, match=r"^Conv2d: weight.shape=.* but input has 4 channels$"):
+        m(torch.randn(1, 4, 5, 5))
+
+
 # ---- patch / unpatch ------------------------------------------------------------------------------------------
 
 class _DoubledConv(nn.Conv1d):

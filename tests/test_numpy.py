@@ -125,8 +125,54 @@ def test_backend_first_derivative_works_second_raises() -> None:
     torch.testing.assert_close(gx, rx)
     torch.testing.assert_close(gw, rw)
     y = cg.conv(x, w, stride=2, backend="numpy")
-    with pytest.raises(RuntimeError, match="backend='numpy' is not differentiable"):
+    with pytest.raises(ValueError, match=r"conv: backend='numpy' is not differentiable; a second derivative "
+                                         r"\(create_graph=True\) needs one of \['auto', 'fwdconv', 'gemm', 'native'\]"):
         torch.autograd.grad(y.sum(), [x], create_graph=True)
+
+
+_TRANSFORMS = {
+    "grad": lambda f, x: torch.func.grad(lambda a: f(a).sum())(x),
+    "vjp": lambda f, x: torch.func.vjp(f, x)[1](torch.ones(1, 4, 2, 2, dtype=x.dtype)),
+    "jacrev": lambda f, x: torch.func.jacrev(f)(x),
+    "vmap(grad)": lambda f, x: torch.vmap(torch.func.grad(lambda a: f(a).sum()))(x.expand(3, *x.shape)),
+    "is_grads_batched": lambda f, x: torch.autograd.grad(f(x.requires_grad_()), x,
+                                                         torch.ones(2, 1, 4, 2, 2, dtype=x.dtype),
+                                                         is_grads_batched=True),
+}
+
+
+@pytest.mark.parametrize("transform", _TRANSFORMS)
+def test_backend_refuses_torch_func_transforms_naming_the_backends_that_support_them(transform: str) -> None:
+    """Not the second-derivative message: no second derivative was asked for."""
+    x = torch.randn(1, 3, 6, 6, dtype=torch.float64)
+    w = torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    msg = (r"conv2d: backend='numpy' does not support torch.func transforms \(grad, vjp, jacrev, vmap, \.\.\.\) "
+           r"nor is_grads_batched, but (input|grad_output) comes from one; use one of "
+           r"\['auto', 'fwdconv', 'gemm', 'native'\]")
+    with pytest.raises(ValueError, match=msg):
+        _TRANSFORMS[transform](lambda a: cg.conv2d(a, w, stride=2, backend="numpy"), x)
+    for backend in ("native", "fwdconv"):  # the backends it names do run the transform
+        _TRANSFORMS[transform](lambda a, b=backend: cg.conv2d(a, w, stride=2, backend=b), x.detach())
+
+
+def test_backend_conv_backward_on_tensors_that_require_grad_raises() -> None:
+    """The results of a NumPy computation carry no graph: returning them would detach them silently."""
+    gy, x, w = (torch.randn(s, dtype=torch.float64) for s in ((1, 3, 3, 3), (1, 2, 5, 5), (3, 2, 3, 3)))
+    msg = (r"conv_backward: backend='numpy' computes outside autograd, but weight.requires_grad=True: the "
+           r"gradients would come back silently detached from the graph; pass detached tensors, call it under "
+           r"torch.no_grad\(\), or use one of \['auto', 'fwdconv', 'gemm', 'native'\]")
+    with pytest.raises(ValueError, match=msg):
+        cg.conv_backward(gy, x, w.requires_grad_(), backend="numpy")
+    with pytest.raises(ValueError, match=r"conv_weight_grad: backend='numpy' computes outside autograd, but "
+                                         r"input\.requires_grad=True"):
+        cg.conv_weight_grad(x.requires_grad_(), w.shape, gy, backend="numpy")
+    with torch.no_grad():  # nothing to detach from: the results are what the user asked for
+        gi, gw, _ = cg.conv_backward(gy, x, w, backend="numpy")
+    ref = cg.conv_backward(gy, x.detach(), w.detach(), backend="native")
+    torch.testing.assert_close((gi, gw), ref[:2])
+    gi, gw, _ = cg.conv_backward(gy, x.detach(), w.detach(), backend="numpy")
+    torch.testing.assert_close((gi, gw), ref[:2])
+    assert cg.conv_backward(gy, x, w, backend="native")[0].requires_grad  # a traceable backend keeps the graph
 
 
 DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -145,8 +191,36 @@ def test_backend_refuses_non_cpu_tensors(device: str) -> None:
 def test_backend_refuses_unsupported_dtypes(dtype: torch.dtype) -> None:
     gy, x, w = (torch.ones(s, dtype=dtype) for s in ((1, 3, 3, 3), (1, 2, 5, 5), (3, 2, 3, 3)))
     with pytest.raises(TypeError, match=f"conv_input_grad: backend='numpy' supports float32 and float64, but "
-                                        f"grad_output.dtype={dtype}"):
+                                        f"weight.dtype={dtype}; use one of "):
         cg.conv_input_grad(x.shape, w, gy, backend="numpy")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backend_refuses_unsupported_dtypes_at_the_forward(dtype: torch.dtype) -> None:
+    """The first call refuses, not the backward after a whole forward pass; a module's call names the module."""
+    x, w = torch.ones(1, 2, 5, 5, dtype=dtype), torch.ones(3, 2, 3, 3, dtype=dtype)
+    with pytest.raises(TypeError, match=f"^conv2d: backend='numpy' supports float32 and float64, but "
+                                        f"input.dtype={dtype}; use one of"):
+        cg.conv2d(x, w, backend="numpy")
+    m = cg.nn.Conv2d(2, 3, 3, backend="numpy", dtype=dtype)
+    with pytest.raises(TypeError, match=f"^Conv2d: backend='numpy' supports float32 and float64, but "
+                                        f"input.dtype={dtype}"):
+        m(x)
+
+
+def test_backend_under_autocast_names_what_the_user_passed() -> None:
+    """autocast casts the float32 operands to bfloat16: the error says so, and names no dtype never passed."""
+    x, w = torch.ones(1, 2, 5, 5), torch.ones(3, 2, 3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError) as err:
+        cg.conv2d(x, w, backend="numpy")
+    assert str(err.value) == ("conv2d: backend='numpy' cannot run inside torch.autocast('cpu'), which casts input "
+                              "(torch.float32) to a dtype this backend does not compute in; run this call with "
+                              "torch.autocast('cpu', enabled=False) or use one of "
+                              "['auto', 'fwdconv', 'gemm', 'native']")
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):
+        assert cg.conv2d(x, w, backend="numpy").dtype == torch.float32  # the way out the message gives
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match=r"input\.dtype=torch\.float16"):
+        cg.conv2d(x.half(), w, backend="numpy")  # a dtype the user did pass is named as passed
 
 
 def test_backend_refuses_complex() -> None:

@@ -437,3 +437,115 @@ def test_a_parameter_shared_by_two_modules_counts_once() -> None:
 def test_data_parallel_is_refused() -> None:
     with pytest.raises(TypeError, match=r"the model itself is a torch\.nn\.DataParallel"):
         cg.PerSampleGrads(nn.DataParallel(nn.Linear(2, 2)))
+
+
+# ---- the measured choice of the per-sample method (convgrad.per_sample.tuning) -------------------------------
+@pytest.fixture
+def tuned() -> Iterator[None]:
+    """Tuning on (auto's mode), with nothing remembered before or after."""
+    from convgrad.backends import auto
+
+    auto.clear()
+    with auto.tuning_mode("tune"):
+        yield
+    auto.clear()
+
+
+def test_tuned_methods_give_the_same_per_sample_results(tuned: None) -> None:
+    from convgrad.per_sample import tuning
+
+    for case in [c for c in LAYER_CASES if c.input_shape[0]][:6]:
+        t = make_tensors(case, DT)
+        ref = _loop_reference(case, t)["grad_weight"]
+        s = case.spec()
+        gw = cg.per_sample_weight_grad(t["input"], case.weight_shape, t["grad_output"], **_kw(case))
+        torch.testing.assert_close(gw, ref, **TOL[DT])
+        norms = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], bias=False, **_kw(case))
+        torch.testing.assert_close(norms, ref.flatten(1).norm(dim=1), **TOL[DT])
+        for purpose in ("grads", "norms"):
+            choice = tuning.chosen(s, purpose, t["input"])
+            assert choice is not None and choice.backend in tuning.estimates(s, purpose, False), (case, purpose)
+            assert not choice.pending and not choice.rejected
+
+
+def test_a_method_the_cost_model_puts_far_behind_is_never_run(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from convgrad.per_sample import tuning
+
+    calls: list[str] = []
+    real = methods.ghost_sq_norms
+    monkeypatch.setattr(methods, "ghost_sq_norms", lambda *a: calls.append("ghost") or real(*a))
+    x, gy = torch.randn(4, 8, 16, 16), torch.randn(4, 8, 16, 16)  # P = 256: ghost has 8.9x unfold's multiply-adds
+    spec = cg.ConvSpec.from_shapes(x.shape, (8, 8, 3, 3), 1, 1)
+    est = tuning.estimates(spec, "norms", False)
+    assert est["ghost"] > 4 * est["unfold"]
+    cg.per_sample_grad_norms(x, (8, 8, 3, 3), gy, padding=1)
+    assert calls == [] and "ghost" not in tuning.chosen(spec, "norms", x).times  # type: ignore[union-attr]
+    x, gy = torch.randn(4, 64, 2, 2), torch.randn(4, 64, 2, 2)  # P = 4: ghost is the cheap one, and it runs
+    cg.per_sample_grad_norms(x, (64, 64, 3, 3), gy, padding=1)
+    assert calls
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_clip_options_agree_and_storing_is_offered_only_within_the_memory_rule(store: bool) -> None:
+    from convgrad.per_sample import tuning
+
+    spec = cg.ConvSpec.from_shapes((5, 4, 7, 7), (6, 2, 3, 3), 2, 1, groups=2)
+    x, y = torch.randn(spec.input_shape, dtype=DT), torch.randn(spec.output_shape, dtype=DT)
+    opts = tuning.options(spec, x, y, "clip", store)
+    assert ("unfold+store" in opts) == store and {"ghost", "unfold", "conv"} <= set(opts)
+    results = {n: run(5) for n, run in opts.items()}
+    gw = methods.weight_grad(spec, x, y, "unfold")
+    for name, (sq, summed) in results.items():  # the squared norms and the clipped sum with factors 1
+        torch.testing.assert_close(sq, gw.flatten(1).square().sum(1), **TOL[DT], msg=name)
+        torch.testing.assert_close(summed, gw.sum(0), **TOL[DT], msg=name)
+
+
+def test_norms_only_clips_per_the_measured_plan_and_matches(tuned: None) -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=2),
+                          nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2), nn.Flatten(), nn.Linear(16 * 3 * 3, 3)).to(DT)
+    x = torch.randn(6, 2, 8, 8, dtype=DT)
+    with cg.PerSampleGrads(model) as full:
+        model(x).square().sum().backward()
+    grads = {k: p.grad_sample.clone() for k, p in model.named_parameters()}
+    norms = full.norms()
+    factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+    model.zero_grad()
+    with cg.PerSampleGrads(model, norms_only=True) as psg:
+        model(x).square().sum().backward()
+    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+    psg.clip_and_accumulate(1.0)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, torch.tensordot(factors, grads[k], dims=1), **TOL[DT], msg=k)
+
+
+def test_layers_of_one_shape_share_one_per_sample_tuning(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from convgrad.per_sample import tuning
+
+    seen: list[str] = []
+    real = tuning._tune
+    monkeypatch.setattr(tuning, "_tune", lambda spec, x, y, purpose, store: seen.append(purpose) or real(
+        spec, x, y, purpose, store))
+    for layers in (1, 5):
+        tuning._choices.reset()
+        seen.clear()
+        model = nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(layers)])
+        with cg.PerSampleGrads(model, norms_only=True) as psg:
+            model(torch.randn(8, 4, 6, 6)).sum().backward()
+        psg.clip_and_accumulate(1.0)
+        assert len(seen) == 1, layers  # one "clip" tuning, whatever the number of layers of that shape
+
+
+def test_scratch_columns_are_reused_but_results_never_alias() -> None:
+    spec = cg.ConvSpec.from_shapes((3, 4, 6, 6), (5, 4, 3, 3), 1, 1)
+    x, y = torch.randn(spec.input_shape), torch.randn(spec.output_shape)
+    a, b = methods.im2col(spec, x, reuse=True), methods.im2col(spec, 2 * x, reuse=True)
+    assert a.data_ptr() == b.data_ptr()  # one buffer: no fresh memory to page-fault per call
+    torch.testing.assert_close(b, methods.im2col(spec, 2 * x))
+    with torch.no_grad():
+        g1 = methods.weight_grad(spec, x, y, "unfold")
+        g2 = methods.weight_grad(spec, x, 2 * y, "unfold")
+        norms = methods.materialised_sq_norms(spec, x, y, "unfold")
+    assert g1.data_ptr() != g2.data_ptr()
+    torch.testing.assert_close(2 * g1, g2)
+    torch.testing.assert_close(norms, g1.flatten(1).square().sum(1))

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from convgrad._ops import bias_grad
-from convgrad.backends import get_backend
+from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.backends.native import forward as native_forward
-from convgrad.functional import _check_tensors
+from convgrad.functional import _check_tensor, _check_tensors, _check_untraced
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
 __all__ = [
@@ -59,16 +59,6 @@ def no_weight_gradients() -> Iterator[None]:
         _weight_gradients_disabled -= 1
 
 
-def _same_layout(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """grad in like's channels_last layout when like has it, as torch's own conv gradients are."""
-    if grad is None or grad.dim() not in (4, 5):
-        return grad
-    fmt = torch.channels_last if grad.dim() == 4 else torch.channels_last_3d
-    if like.is_contiguous(memory_format=fmt) and not like.is_contiguous():
-        return grad.contiguous(memory_format=fmt)
-    return grad
-
-
 class _ConvCore(torch.autograd.Function):
     """The Function torch.compile traces: Dynamo refuses Functions that define ``jvp`` (see ConvFunction)."""
 
@@ -93,12 +83,11 @@ class _ConvCore(torch.autograd.Function):
         backend = get_backend(ctx.backend, "ConvFunction.backward")
         gi = gw = None
         if need_input or need_weight:
-            if torch.is_grad_enabled() and not backend.differentiable:
-                raise RuntimeError(f"convgrad: backend={backend.name!r} is not differentiable; a second derivative "
-                                   f"(create_graph=True) needs backend='fwdconv', 'gemm' or 'native'")
-            gi, gw = backend.backward(ctx.spec, grad_output, input, weight, need_input, need_weight)
+            if not backend.differentiable:
+                _check_differentiation(ctx.spec.fn, backend, grad_output=grad_output, input=input, weight=weight)
+            gi, gw = backend.gradients(ctx.spec, grad_output, input, weight, need_input, need_weight)
         gb = bias_grad(grad_output) if need_bias else None
-        return _same_layout(gi, input), _same_layout(gw, weight), gb, None, None
+        return gi, gw, gb, None, None
 
 
 class ConvFunction(_ConvCore):
@@ -126,13 +115,22 @@ class ConvFunction(_ConvCore):
         return tangent
 
 
-def _autocast(*tensors: torch.Tensor | None) -> tuple[Any, ...]:
+def _check_differentiation(fn: str, backend: Backend, **tensors: torch.Tensor) -> None:
+    """In the backward of a backend autograd cannot see through: no transform, no second derivative."""
+    _check_untraced(fn, backend, tensors, returns_gradients=False)
+    if torch.is_grad_enabled():
+        raise ValueError(f"{fn}: backend={backend.name!r} is not differentiable; a second derivative "
+                         f"(create_graph=True) needs one of {traceable_names()}")
+
+
+def _autocast(fn: str, backend: Backend, tensors: dict[str, Any]) -> dict[str, Any]:
     """Inside torch.autocast, cast float32 tensors to the autocast dtype, as native convolutions do.
 
     aten.convolution itself is not on autocast's cast list (only F.conv*d are), so the cast is ours;
-    it is differentiable, so float32 leaves still receive float32 gradients.
+    it is differentiable, so float32 leaves still receive float32 gradients. A backend that cannot compute
+    in the autocast dtype is refused here, in terms of what the user passed.
     """
-    devices = [t.device.type for t in tensors if isinstance(t, torch.Tensor)]
+    devices = [t.device.type for t in tensors.values() if isinstance(t, torch.Tensor)]
     if not devices:
         return tensors
     device_type = devices[0]
@@ -143,16 +141,30 @@ def _autocast(*tensors: torch.Tensor | None) -> tuple[Any, ...]:
     if not enabled:
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
+    cast = {k: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+            for k, t in tensors.items()}
+    for name, t in cast.items():
+        if t is not tensors[name]:
+            try:
+                backend.check_operand(fn, name, t)
+            except TypeError:
+                raise TypeError(f"{fn}: backend={backend.name!r} cannot run inside torch.autocast("
+                                f"{device_type!r}), which casts {name} (torch.float32) to a dtype this backend "
+                                f"does not compute in; run this call with torch.autocast({device_type!r}, "
+                                f"enabled=False) or use one of {traceable_names()}") from None
+    return cast
 
 
 def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
            backend: str) -> torch.Tensor:
     b = get_backend(backend, fn)
-    input, weight, bias = _autocast(input, weight, bias)  # first: autocast mixes float32 and bfloat16 operands
     tensors = {"input": input, "weight": weight} | ({} if bias is None else {"bias": bias})
-    _check_tensors(fn, b, **tensors)
+    for name, t in tensors.items():  # before autocast: an error names the dtype the user passed
+        b.check_operand(fn, name, _check_tensor(fn, name, t))
+    tensors = _autocast(fn, b, tensors)  # then the rest: autocast mixes float32 and bfloat16 operands
+    input, weight, bias = tensors["input"], tensors["weight"], tensors.get("bias")
+    _check_tensors(fn, b, results_in_graph=True, **tensors)
     spec = ConvSpec.from_shapes(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding,
                                 groups, fn=fn)
     if bias is not None and tuple(bias.shape) != (spec.out_channels,):

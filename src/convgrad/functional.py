@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from convgrad._ops import bias_grad
-from convgrad.backends import Backend, get_backend
+from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, _ntuple, check_bias_sizes, check_output_mask
 
 __all__ = [
@@ -46,8 +46,12 @@ def _check_tensor(fn: str, name: str, t: Any) -> torch.Tensor:
     return t
 
 
-def _check_tensors(fn: str, backend: Backend, **tensors: Any) -> None:
-    """Type, dtype and device checks shared by every entry point."""
+def _check_tensors(fn: str, backend: Backend, *, results_in_graph: bool = False, **tensors: Any) -> None:
+    """Type, dtype and device checks shared by every entry point, and what the backend accepts.
+
+    ``results_in_graph``: the gradients reach the user through autograd (the backward of
+    [`conv`][convgrad.autograd.conv]), not as the return value of a function of this module.
+    """
     checked = {name: _check_tensor(fn, name, t) for name, t in tensors.items()}
     (first, ref), *rest = checked.items()
     for name, t in rest:
@@ -55,9 +59,33 @@ def _check_tensors(fn: str, backend: Backend, **tensors: Any) -> None:
             raise TypeError(f"{fn}: {name}.dtype={t.dtype} does not match {first}.dtype={ref.dtype}")
         if t.device != ref.device:
             raise ValueError(f"{fn}: {name}.device={t.device} does not match {first}.device={ref.device}")
-    if ref.is_complex() and not backend.supports_complex:
-        raise TypeError(f"{fn}: backend={backend.name!r} does not support complex dtypes ({ref.dtype}); "
-                        f"use backend='native' or 'fwdconv'")
+    backend.check_operand(fn, first, ref)
+    if not backend.differentiable:
+        _check_untraced(fn, backend, checked, returns_gradients=not results_in_graph)
+
+
+def _transformed(t: torch.Tensor) -> bool:
+    """t belongs to a torch.func transform (grad, vjp, jacrev, vmap, ...) or to is_grads_batched's vmap."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace the functorch queries; it runs no transform here
+        return False
+    functorch = torch._C._functorch
+    return functorch.is_functorch_wrapped_tensor(t) or functorch.is_legacy_batchedtensor(t)
+
+
+def _check_untraced(fn: str, backend: Backend, tensors: dict[str, torch.Tensor], returns_gradients: bool) -> None:
+    """For a backend autograd cannot see through: refuse torch.func transforms, and (``returns_gradients``)
+    tensors that require grad, whose gradients would come back silently detached from the graph."""
+    for name, t in tensors.items():
+        if _transformed(t):
+            raise ValueError(f"{fn}: backend={backend.name!r} does not support torch.func transforms (grad, vjp, "
+                             f"jacrev, vmap, ...) nor is_grads_batched, but {name} comes from one; use one of "
+                             f"{traceable_names()}")
+    tracked = [name for name, t in tensors.items() if t.requires_grad]
+    if returns_gradients and tracked and torch.is_grad_enabled():
+        raise ValueError(f"{fn}: backend={backend.name!r} computes outside autograd, but "
+                         f"{tracked[0]}.requires_grad=True: the gradients would come back silently detached from "
+                         f"the graph; pass detached tensors, call it under torch.no_grad(), or use one of "
+                         f"{traceable_names()}")
 
 
 def _check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:
@@ -81,7 +109,7 @@ def _run(spec: ConvSpec, backend: Backend, grad_output: torch.Tensor, input: tor
         input = None if input is None else input.unsqueeze(0)  # (1, C_in, *i)
     gi = gw = None
     if mask[0] or mask[1]:
-        gi, gw = backend.backward(spec, grad_output, input, weight, mask[0], mask[1])
+        gi, gw = backend.gradients(spec, grad_output, input, weight, mask[0], mask[1])
     gb = bias_grad(grad_output) if mask[2] else None
     if spec.unbatched and gi is not None:
         gi = gi.squeeze(0)  # (C_in, *i)
@@ -122,8 +150,11 @@ def conv_backward(
         ``(grad_input, grad_weight, grad_bias)`` of shapes ``input.shape``, ``weight.shape`` and ``(C_out,)``.
 
     Raises:
-        TypeError: a non-tensor, a non-floating dtype, mismatched dtypes, complex on a backend without it.
-        ValueError: invalid hyperparameters, shapes that do not fit, mismatched devices, an unknown backend.
+        TypeError: a non-tensor, a non-floating dtype, mismatched dtypes, a dtype the backend does not compute
+            in (complex on most; anything but float32/float64 on ``"numpy"``).
+        ValueError: invalid hyperparameters, shapes that do not fit, mismatched devices, an unknown backend;
+            with ``"numpy"``: a non-CPU device, tensors that require grad (the results would be detached) or
+            that come from a torch.func transform.
 
     Source: docs/derivation.md (grad_input is a transposed convolution, grad_weight a correlation).
 

@@ -24,7 +24,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch import Tensor
 
 from convgrad._ops import pad
-from convgrad.autograd import conv, conv_transpose
+from convgrad.autograd import _apply
 from convgrad.backends import get_backend
 from convgrad.spec import ConvSpec
 
@@ -69,31 +69,39 @@ class _ConvgradMixin:
             self.padding = "same"
         self.backend = backend
 
+    def _name(self) -> str:
+        """The module's class as the user knows it, for error messages: ``Conv2d`` for a patched
+        torch.nn.Conv2d, not the generated ``PatchedConv2d`` (nor a parametrization's class)."""
+        cls = _layers(self)[0]  # type: ignore[arg-type]
+        return vars(cls).get("_convgrad_patched_from", cls).__name__
+
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Forward conv through convgrad; non-zero padding modes pad explicitly by the spec's (lo, hi) pairs."""
-        if self.padding_mode == "zeros":
-            return conv(input, weight, bias, self.stride, self.padding, self.dilation, self.groups,
-                        backend=self.backend)
-        # the pads of 'same' depend on the input size, so they come from the spec at call time
-        spec = ConvSpec.from_shapes(input.shape, weight.shape, self.stride, self.padding, self.dilation,
-                                    groups=self.groups, fn=type(self).__name__)
-        padded = pad(input, spec.padding, mode=self.padding_mode)  # (N, C_in, *(i + p_lo + p_hi))
-        return conv(padded, weight, bias, self.stride, 0, self.dilation, self.groups, backend=self.backend)
+        name, padding = self._name(), self.padding
+        if self.padding_mode != "zeros":
+            # the pads of 'same' depend on the input size, so they come from the spec at call time
+            spec = ConvSpec.from_shapes(input.shape, weight.shape, self.stride, self.padding, self.dilation,
+                                        groups=self.groups, fn=name)
+            input = pad(input, spec.padding, mode=self.padding_mode)  # (N, C_in, *(i + p_lo + p_hi))
+            padding = 0
+        return _apply(name, input, weight, bias, self.stride, padding, self.dilation, False, 0, self.groups,
+                      self.backend)
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         """torch's forward; ``output_size`` (transposed convs only) picks output_padding as torch does."""
+        name = self._name()
         if not self.transposed:
             if output_size is not None:
-                raise TypeError(f"{type(self).__name__}.forward: output_size is only for transposed convolutions")
+                raise TypeError(f"{name}.forward: output_size is only for transposed convolutions")
             return super().forward(input)  # type: ignore[misc]  # torch's forward calls _conv_forward above
         if self.padding_mode != "zeros":
-            raise ValueError(f"{type(self).__name__}: padding_mode={self.padding_mode!r}; a transposed convolution "
+            raise ValueError(f"{name}: padding_mode={self.padding_mode!r}; a transposed convolution "
                              f"supports only 'zeros' (as in torch)")
         n = len(self.kernel_size)
         output_padding = self._output_padding(  # type: ignore[attr-defined]  # torch's rule and its errors
             input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation)
-        return conv_transpose(input, self.weight, self.bias, self.stride, self.padding, output_padding, self.groups,
-                              self.dilation, backend=self.backend)
+        return _apply(name, input, self.weight, self.bias, self.stride, self.padding, self.dilation, True,
+                      output_padding, self.groups, self.backend)
 
     def extra_repr(self) -> str:
         s: str = super().extra_repr()  # type: ignore[misc]
@@ -157,7 +165,8 @@ def _doc(n: int, transposed: bool) -> str:
     Raises:
         ValueError, TypeError: torch's constructor errors; an unknown backend; at forward time, the
             errors of [`convgrad.conv`][convgrad.autograd.conv] (or
-            [`convgrad.conv_transpose`][convgrad.autograd.conv_transpose] for the transposed modules).
+            [`convgrad.conv_transpose`][convgrad.autograd.conv_transpose] for the transposed modules),
+            named after the module (``{name}: ...``).
 
     Source: docs/derivation.md; torch/nn/modules/conv.py for the constructor and output_size rule.
 

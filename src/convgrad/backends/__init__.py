@@ -4,7 +4,9 @@ A backend is a class with ``input_grad`` and ``weight_grad`` (and optionally a
 fused ``backward``) that receives a validated [`ConvSpec`][convgrad.spec.ConvSpec]
 and batched tensors, never raw user arguments. Adding a backend means adding a
 file here that defines a subclass of [`Backend`][convgrad.backends.Backend] decorated with
-[`register`][convgrad.backends.register], and importing it in ``_load_builtin``.
+[`register`][convgrad.backends.register], and importing it in ``_load_builtin``. Callers go through
+[`Backend.gradients`][convgrad.backends.Backend.gradients], which returns each gradient in the memory format
+torch's own backward gives it (``layout.py``), so that no backend has to get layouts right by itself.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
 
     from convgrad.spec import ConvSpec
 
-__all__ = ["Backend", "backend_names", "get_backend", "register"]
+__all__ = ["Backend", "backend_names", "get_backend", "register", "traceable_names"]
 
 _REGISTRY: dict[str, Backend] = {}
 _loaded = False  # not `not _REGISTRY`: importing one backend module directly registers it alone
@@ -29,13 +31,22 @@ _B = TypeVar("_B", bound="type[Backend]")
 class Backend(ABC):
     """One formulation of the convolution backward.
 
-    Tensors are batched, ``(N, C, *spatial)``, with dtype and device already checked.
-    ``input_grad`` returns ``spec.input_shape``; ``weight_grad`` returns ``spec.weight_shape``.
+    Tensors are batched, ``(N, C, *spatial)``, with dtype and device already checked (by
+    ``check_operand`` among others). ``input_grad`` returns ``spec.input_shape``; ``weight_grad`` returns
+    ``spec.weight_shape``, in any layout: callers go through ``gradients``, which lays them out as torch does.
     """
 
     name: ClassVar[str]
+    # built from torch ops: autograd sees through it (second derivatives) and so do torch.func's transforms
     differentiable: ClassVar[bool] = True
     supports_complex: ClassVar[bool] = False
+
+    def check_operand(self, fn: str, name: str, t: torch.Tensor) -> None:
+        """Raise TypeError (a dtype) or ValueError (a device) where this backend cannot compute with ``t``,
+        naming ``fn``, the tensor's ``name`` and the value; called on every tensor a user passes."""
+        if t.is_complex() and not self.supports_complex:
+            raise TypeError(f"{fn}: backend={self.name!r} does not support complex dtypes ({t.dtype}); "
+                            f"use backend='native' or 'fwdconv'")
 
     @abstractmethod
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -58,6 +69,26 @@ class Backend(ABC):
         gi = self.input_grad(spec, weight, grad_output) if need_input else None  # type: ignore[arg-type]
         gw = self.weight_grad(spec, input, grad_output) if need_weight else None  # type: ignore[arg-type]
         return gi, gw
+
+    def gradients(
+        self,
+        spec: ConvSpec,
+        grad_output: torch.Tensor,
+        input: torch.Tensor | None,
+        weight: torch.Tensor | None,
+        need_input: bool,
+        need_weight: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``backward``, with each gradient in the memory format torch's own backward returns for these tensors.
+
+        The one entry point of every caller, so that no backend has to get layouts right by itself; a
+        gradient already in torch's layout is not copied. ``input`` or ``weight`` is None when its gradient
+        alone is asked for (then, as in torch.nn.grad, the missing tensor has no layout of its own).
+        """
+        from convgrad.backends.layout import like_torch  # here: this package must import without torch
+
+        gi, gw = self.backward(spec, grad_output, input, weight, need_input, need_weight)
+        return like_torch(spec, grad_output, input, weight, gi, gw)
 
 
 def register(cls: _B) -> _B:
@@ -85,6 +116,11 @@ def backend_names() -> list[str]:
     if not _loaded:
         _load_builtin()
     return sorted(_REGISTRY, key=lambda n: (n != "auto", n))
+
+
+def traceable_names() -> list[str]:
+    """Names of the backends made of torch ops (``differentiable``): those autograd and torch.func see through."""
+    return [n for n in backend_names() if _REGISTRY[n].differentiable]
 
 
 def get_backend(name: str, fn: str = "convgrad") -> Backend:

@@ -4,20 +4,35 @@ Contraction: whichever candidate wins (native, fwdconv, gemm; see their files), 
 grad_input and grad_weight, because the fastest formulation differs per gradient and per layer.
 
 Like ``torch.backends.cudnn.benchmark``: the first time a (configuration, gradient, dtype, device,
-memory format, thread count) is seen, batch sizes counted up to the next power of two, every
-candidate computes the gradient on the real tensors once as a probe, and those that agree with
-native within tolerance are timed, interleaved, a few times each (each time on its second call
-in a row, after a warm-up call); the fastest, by the median over rounds of its time over
-native's in the same round, is remembered. A candidate that disagreed with native on the probe
-is never chosen, and one that beats native by less than ``PREFER_NATIVE`` (3%, about the noise
-of one tuning) is not either. A close call (a runner-up within 10% of the best) gets more rounds,
-among the options still in it, than a clear one. When both gradients are wanted, one more choice
-is tuned ("both"): one backend's own backward for both, which may share work (native's
-aten.convolution_backward, gemm's columns), or the two per-gradient winners one after the other
-("split", when they differ). When one backend won both gradients, it is the incumbent there instead
-of native. Split must beat every backend by ``SPLIT_MARGIN`` (5%).
-Tuning runs under ``torch.no_grad()``; when no graph is being built, the winner's probe result is
-returned, so the first call costs only the extra timings.
+memory format, thread count) is seen, batch sizes counted up to the next power of two, the
+candidates are tuned by ``convgrad.backends.auto_tuning``. Each runs on a slice of the batch (an
+eighth, at least 4 samples): once as a probe checked against native (one that disagrees is never
+chosen), once timed. Those over 2x the fastest there are dropped, native never: a slice can
+misrank the options (per-sample speeds move with the batch), so native always takes part in
+what follows. The fastest runs from then on; when others survived, the calls that follow
+compare them on the whole batch, each in turn twice
+in a row, the second call timed and paired with the anchor's (native, if it survived) in the
+same round, until a clear call (3 rounds, or fewer when one is 25% behind after one round)
+or up to 7 rounds for a close one. The winner is the anchor unless another beats it by more
+than ``PREFER_NATIVE`` (3%, about the noise of one tuning) in the median of those ratios.
+When both gradients are wanted, the options are each backend's own backward for both, which may
+share work (native's aten.convolution_backward, gemm's columns), and the two per-gradient
+fastest one after the other ("split", when they differ), which must beat every backend by
+``SPLIT_MARGIN`` (5%). One tuning screens each gradient and, where a backend shares work, its own
+backward; when one backend was fastest for each gradient, it is the anchor instead of native.
+Every call computes a real result, so the comparison costs no extra calls.
+
+The cost of the first call: the screening, two calls of every option on the slice (for both
+gradients: each backend's grad_input and grad_weight, and the own backward of native and gemm),
+about a quarter of a call per option; afterwards, only the difference in speed while a slower
+survivor runs. Layers of the same configuration share one tuning, so a network pays once per
+distinct layer shape and batch bucket. Measured on 2 busy shared cores (CPU time, which load
+disturbs less than wall time), the first training step of a CIFAR ResNet-18 at batch 32 under
+``convgrad.patch`` (11 distinct conv configurations) cost 1.2 s of CPU more than plain torch's
+first step, about one steady step (1.3 s of CPU); before this screening it was about 26 steady
+steps. The network of ``convgrad demo`` (6 configurations, tiny layers): 0.13 s more.
+With ``CONVGRAD_AUTOTUNE_CACHE=1`` and the cache already written, a new process pays only the
+lookups (and settles choices still being compared). ``benchmarks/first_step.py`` measures it.
 
 A choice is watched on the CPU: when its calls run ``_DRIFT`` (2) times slower per sample than it
 was tuned at, ``_DRIFT_CALLS`` (3) calls in a row, it is tuned again, at most ``_MAX_RETUNES`` (2)
@@ -40,14 +55,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 
 from convgrad._ops import plain
-from convgrad.backends import Backend, auto_cache, backend_names, get_backend, register
-from convgrad.backends.auto_cache import cache_path, device_name
+from convgrad.backends import Backend, auto_cache, auto_tuning, backend_names, get_backend, register
+from convgrad.backends.auto_cache import _DRIFT, _DRIFT_CALLS, _MAX_RETUNES, Store, cache_path, device_name  # noqa: F401
 from convgrad.backends.auto_tuning import PREFER_NATIVE, SPLIT_MARGIN, Choice, Result
 from convgrad.backends.auto_tuning import tune as _tune
 from convgrad.spec import ConvSpec
@@ -58,18 +72,12 @@ __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choic
 CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup")  # those registered take part
 FIXED_CHOICE = "native"
 MODES = ("tune", "fixed")
-# The watch (module docstring): calls this many times slower per sample than tuned, this many in a row, re-tune;
-# choices tuned faster than _DRIFT_MIN_S are not watched (cold caches alone slow down tiny calls, and little is lost)
-_DRIFT, _DRIFT_CALLS, _MAX_RETUNES, _DRIFT_MIN_S = 2.0, 3, 2, 1e-3
 
-Gradient = Callable[[Backend], torch.Tensor]
+Gradient = Callable[[Backend, ConvSpec, int], torch.Tensor]  # (backend, spec of n samples, n)
 
 
 _mode: str | None = None  # None: not read from the environment yet
 Key = tuple[ConvSpec, str, torch.dtype, torch.device, bool, int]
-_choices: dict[Key, Choice] = {}
-_slow: dict[Key, int] = {}  # calls in a row that ran _DRIFT times slower than tuned
-_retunes: dict[Key, int] = {}
 
 
 def set_mode(mode: str) -> str:
@@ -120,11 +128,8 @@ def tuning_mode(mode: str) -> Iterator[None]:
 
 
 def clear() -> None:
-    """Forget every tuned choice held in memory (the cache file, if any, is left alone)."""
-    _choices.clear()
-    _slow.clear()
-    _retunes.clear()
-    auto_cache.clear()
+    """Forget every tuned choice held in memory, the per-sample methods' too (the cache file is left alone)."""
+    auto_cache.reset_all()
 
 
 def batch_bucket(batch: int) -> int:
@@ -163,29 +168,20 @@ def _key_text(key: Key) -> str:
             f"{'channels_last' if last else 'contiguous'}|threads={threads}")
 
 
+def _valid(choice: Choice) -> bool:
+    """A choice read from the cache names registered backends, and "split" only with its two parts."""
+    names = set(backend_names())
+    splits = "split" in (choice.backend, *choice.pending)
+    return ({choice.backend, *choice.pending} <= names | {"split"} and set(choice.parts) <= names
+            and len(choice.parts) in ((2,) if splits else (0, 2)))
+
+
+_choices = Store(_key_text, _valid)
+
+
 def chosen(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Choice | None:
     """The tuned choice for this configuration and gradient on tensors like ``like`` (grad_output), if any."""
-    return _lookup(_key(spec, gradient, like))
-
-
-def _lookup(key: Key) -> Choice | None:
-    """The choice in memory, else in the cache file."""
-    if key in _choices:
-        return _choices[key]
-    entry = auto_cache.entry(_key_text(key))
-    if entry is None or entry.get("backend") not in (*backend_names(), "split"):
-        return None
-    try:  # an entry edited by hand or written by another version: ignored, tuned again
-        _choices[key] = Choice(str(entry["backend"]), {str(n): float(t) for n, t in entry.get("times", {}).items()},
-                               tuple(map(str, entry.get("rejected", ()))), int(entry.get("batch", 0)))
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return _choices[key]
-
-
-def _save() -> None:
-    auto_cache.save({_key_text(k): {"backend": c.backend, "times": c.times, "rejected": list(c.rejected),
-                                    "batch": c.batch} for k, c in _choices.items()})
+    return _choices.lookup(_key(spec, gradient, like))
 
 
 def _tunable(*tensors: torch.Tensor) -> bool:
@@ -195,30 +191,70 @@ def _tunable(*tensors: torch.Tensor) -> bool:
     return all(plain(t) and t.device.type != "meta" for t in tensors)
 
 
-def _watched(key: Key, choice: Choice, batch: int, run: Callable[[], Result]) -> Result:
-    """Run the chosen option; on the CPU, time it, and forget the choice (the next call tunes again) once it ran
-    _DRIFT times slower per sample than tuned, _DRIFT_CALLS calls in a row."""
-    tuned = choice.times.get(choice.backend, 0.0)
-    if (key[3].type != "cpu" or tuned < _DRIFT_MIN_S or not (choice.batch and batch)
-            or _retunes.get(key, 0) >= _MAX_RETUNES):
-        return run()
-    start = time.perf_counter()
-    out = run()
-    slow = (time.perf_counter() - start) / batch > _DRIFT * tuned / choice.batch
-    _slow[key] = _slow.get(key, 0) + 1 if slow else 0
-    if _slow[key] >= _DRIFT_CALLS:
-        _retunes[key] = _retunes.get(key, 0) + 1
-        del _slow[key], _choices[key]
-        auto_cache.forget(_key_text(key))
-    return out
-
-
 def _candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
     """The registered candidates that handle this dtype, native first; a backend with a ``can_serve(spec, like)``
     rule takes part only where that rule says it can differ from native."""
     names = ["native", *(n for n in CANDIDATES if n != "native" and n in backend_names())]
     return [b for b in map(get_backend, names) if (not like.is_complex() or b.supports_complex)
             and getattr(b, "can_serve", lambda spec, like: True)(spec, like)]
+
+
+def _head(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The first n samples of a batched tensor (itself when that is all of it)."""
+    return t if t is None or n == t.shape[0] else t[:n]
+
+
+def _sub(spec: ConvSpec, n: int) -> ConvSpec:
+    """The spec of the first n samples."""
+    return spec if n == spec.batch else dataclasses.replace(spec, batch=n)
+
+
+def _shares_work(backend: Backend) -> bool:
+    """Whether the backend's own backward for both gradients is more than its two gradients one after the other."""
+    return type(backend).backward is not Backend.backward
+
+
+def _tune_both(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
+               weight: torch.Tensor) -> Choice:
+    """One tuning of both gradients. Each backend's grad_input and grad_weight are screened on a slice of the
+    batch; so is its own backward where it shares work between the two, unless its slower gradient alone is
+    already SCREEN_DROP times the best estimate for both (sharing cannot make both faster than one of them).
+    The options for both (each backend's own backward, and "split") are then decided on those times, a
+    backend's backward that does not share work estimated as its two gradients in a row; the survivors are
+    compared on the calls that follow (``Store.run``)."""
+    n, device, cands = spec.batch, grad_output.device, _candidates(spec, grad_output)
+    gi = {b.name: (lambda m, b=b: b.input_grad(_sub(spec, m), weight, _head(grad_output, m))) for b in cands}
+    gw = {b.name: (lambda m, b=b: b.weight_grad(_sub(spec, m), _head(input, m), _head(grad_output, m))) for b in cands}
+    own = {b.name: (lambda m, b=b: b.backward(_sub(spec, m), _head(grad_output, m), _head(input, m), weight, True,
+                                              True)) for b in cands}
+    screens = [auto_tuning.screen(gi, n, device, "native"), auto_tuning.screen(gw, n, device, "native")]
+    ti, tw = screens[0].times, screens[1].times
+    if not (ti and tw):  # native's own probe was not finite: nothing could be checked
+        return Choice(FIXED_CHOICE, {}, (), n)
+    bi, bw = min(ti, key=ti.__getitem__), min(tw, key=tw.__getitem__)
+    estimates = {b: ti[b] + tw[b] for b in own if b in ti and b in tw}
+    if bi != bw:
+        estimates["split"] = ti[bi] + tw[bw]
+    bound = auto_tuning.SCREEN_DROP * min(estimates.values())
+    fused = [b.name for b in cands if _shares_work(b) and b.name in estimates
+             and (b.name == "native" or max(ti[b.name], tw[b.name]) <= bound)]
+    screens.append(auto_tuning.screen({b: own[b] for b in fused}, n, device, "native"))
+    estimates.update(screens[2].times)
+    for b in screens[2].rejected:
+        estimates.pop(b, None)
+    rejected = tuple(dict.fromkeys(r for s in screens for r in s.rejected))
+    choice = auto_tuning.decide(n, estimates, bi if bi == bw else "native", rejected, keep=("native",))
+    return dataclasses.replace(choice, parts=(bi, bw)) if "split" in estimates else choice
+
+
+def _both_call(name: str, parts: tuple[str, ...], spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
+               weight: torch.Tensor) -> Callable[[], Result]:
+    """Both gradients by one option: a backend's own backward, or "split" (its parts one after the other)."""
+    if name == "split":
+        bi, bw = map(get_backend, parts)
+        return lambda: (bi.input_grad(spec, weight, grad_output), bw.weight_grad(spec, input, grad_output))
+    backend = get_backend(name)
+    return lambda: backend.backward(spec, grad_output, input, weight, True, True)
 
 
 @register
@@ -236,39 +272,24 @@ class AutoBackend(Backend):
             gw = self.weight_grad(spec, input, grad_output) if need_weight else None
             return gi, gw
         key = _key(spec, "both", grad_output)
-        known = _lookup(key)
+        known = _choices.lookup(key)
         if known is None:
-            with torch.no_grad():  # first the per-gradient winners: they make the "split" option
-                self.input_grad(spec, weight, grad_output)
-                self.weight_grad(spec, input, grad_output)
-            bi, bw = (self.choose(spec, g, grad_output) for g in ("grad_input", "grad_weight"))
-            # every backend's own backward (both gradients, what a user who picks one backend gets), and the
-            # per-gradient winners one after the other when they differ
-            options = {b.name: (lambda b=b: b.backward(spec, grad_output, input, weight, True, True))
-                       for b in _candidates(spec, grad_output)}
-            if bi.name != bw.name:
-                options["split"] = lambda: (bi.input_grad(spec, weight, grad_output),
-                                            bw.weight_grad(spec, input, grad_output))
-            known, out = _tune(options, grad_output.device, spec.batch, bi.name if bi.name == bw.name else "native")
-            _choices[key] = known
-            _save()
-            if not torch.is_grad_enabled():
-                return out
-        if known.backend == "split":  # each gradient's own choice, watched on its own
-            return self.input_grad(spec, weight, grad_output), self.weight_grad(spec, input, grad_output)
-        backend = get_backend(known.backend)
-        return _watched(key, known, spec.batch,
-                        lambda: backend.backward(spec, grad_output, input, weight, True, True))
+            known = _tune_both(spec, grad_output, input, weight)
+            _choices.remember(key, known)
+        return _choices.run(key, known, spec.batch, grad_output.device,
+                            lambda name: _both_call(name, known.parts, spec, grad_output, input, weight))
 
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self._grad(spec, "grad_input", lambda b: b.input_grad(spec, weight, grad_output), grad_output, weight)
+        return self._grad(spec, "grad_input", lambda b, s, n: b.input_grad(s, weight, _head(grad_output, n)),
+                          grad_output, weight)
 
     def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self._grad(spec, "grad_weight", lambda b: b.weight_grad(spec, input, grad_output), grad_output, input)
+        return self._grad(spec, "grad_weight",
+                          lambda b, s, n: b.weight_grad(s, _head(input, n), _head(grad_output, n)), grad_output, input)
 
     def choose(self, spec: ConvSpec, gradient: str, grad_output: torch.Tensor) -> Backend:
         """The backend that computes ``gradient`` (grad_input or grad_weight) now: the tuned winner, else native."""
-        choice = _lookup(_key(spec, gradient, grad_output)) if get_mode() == "tune" else None
+        choice = _choices.lookup(_key(spec, gradient, grad_output)) if get_mode() == "tune" else None
         return get_backend(choice.backend if choice else FIXED_CHOICE)
 
     @staticmethod
@@ -280,16 +301,18 @@ class AutoBackend(Backend):
     def _grad(self, spec: ConvSpec, gradient: str, call: Gradient, grad_output: torch.Tensor,
               operand: torch.Tensor) -> torch.Tensor:
         if _mode == "fixed" or (_mode is None and get_mode() == "fixed"):
-            return call(get_backend(FIXED_CHOICE))
+            return call(get_backend(FIXED_CHOICE), spec, spec.batch)
         key = _key(spec, gradient, grad_output)
-        known = _choices.get(key) or _lookup(key)
-        if known is not None:
-            backend = get_backend(known.backend)
-            return _watched(key, known, spec.batch, lambda: call(backend)) if _tunable(grad_output) else call(backend)
-        if not _tunable(grad_output, operand):
-            return call(get_backend(FIXED_CHOICE))
-        known, out = _tune({b.name: (lambda b=b: call(b)) for b in _candidates(spec, grad_output)}, grad_output.device,
-                           spec.batch)
-        _choices[key] = known
-        _save()
-        return call(get_backend(known.backend)) if torch.is_grad_enabled() else out
+        known = _choices.lookup(key)
+        if known is None:
+            if not _tunable(grad_output, operand):
+                return call(get_backend(FIXED_CHOICE), spec, spec.batch)
+            options = {b.name: (lambda m, b=b: call(b, _sub(spec, m), m)) for b in _candidates(spec, grad_output)}
+            known, out = _tune(options, spec.batch, grad_output.device)
+            _choices.remember(key, known)
+            if out is not None and not torch.is_grad_enabled():
+                return out
+        make = lambda name: lambda: call(get_backend(name), spec, spec.batch)  # noqa: E731
+        if not _tunable(grad_output):
+            return make(known.backend)()
+        return _choices.run(key, known, spec.batch, grad_output.device, make)

@@ -1,6 +1,10 @@
-"""Persistence of "auto"'s tuned choices: the cache file, its location and its keys.
+"""Tuned choices in memory and on disk: ``Store`` (one kind of choice), the cache file, its location.
 
-Off by default. ``CONVGRAD_AUTOTUNE_CACHE=1`` keeps the winners in
+Every measured choice of convgrad (``auto``'s backends, the per-sample methods) lives in a
+``Store``: a dict from a key to a ``Choice``, backed by the cache file under the key's text, and
+watched for drift (a choice whose calls run much slower than tuned is forgotten and tuned again).
+
+Persistence is off by default. ``CONVGRAD_AUTOTUNE_CACHE=1`` keeps the winners in
 ``<user cache dir>/convgrad/autotune.json`` (``$XDG_CACHE_HOME`` or ``~/.cache``; ``%LOCALAPPDATA%``
 on Windows), ``CONVGRAD_AUTOTUNE_CACHE=/some/file.json`` in that file. Entries name the device
 model and thread count, and the file is ignored under a different torch version.
@@ -13,12 +17,22 @@ import functools
 import json
 import os
 import platform
+import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["cache_path", "clear", "device_name", "entry", "forget", "save"]
+from convgrad.backends.auto_tuning import Choice, Exploration, Result, _timed
+
+__all__ = ["FORMAT", "Store", "cache_path", "clear", "device_name", "entry", "forget", "reset_all", "save"]
+
+FORMAT = 2  # of the cache file; a file of another format is ignored (format 1 stored "split" without its parts)
+# The watch: calls this many times slower per sample than tuned, this many in a row, re-tune; choices tuned faster
+# than _DRIFT_MIN_S are not watched (cold caches alone slow down tiny calls, and little is lost)
+_DRIFT, _DRIFT_CALLS, _MAX_RETUNES, _DRIFT_MIN_S = 2.0, 3, 2, 1e-3
+_STORES: list[Store] = []
 
 _stored: dict[str, dict[str, Any]] = {}  # the cache file's entries, by key text
 _loaded_from: Path | None = None
@@ -65,7 +79,7 @@ def entry(key_text: str) -> dict[str, Any] | None:
         _stored.clear()
         with contextlib.suppress(OSError, ValueError):
             data = json.loads(path.read_text())
-            if isinstance(data, dict) and data.get("torch") == torch.__version__:
+            if isinstance(data, dict) and data.get("torch") == torch.__version__ and data.get("format") == FORMAT:
                 _stored.update(data.get("choices", {}))
     found = _stored.get(key_text)
     return found if isinstance(found, dict) else None
@@ -87,5 +101,101 @@ def save(entries: dict[str, dict[str, Any]]) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"torch": torch.__version__, "choices": merged}, indent=1))
+        tmp.write_text(json.dumps({"torch": torch.__version__, "format": FORMAT, "choices": merged}, indent=1))
         os.replace(tmp, path)  # atomic: a concurrent reader sees the old or the new file
+
+
+class Store(dict[Hashable, Choice]):
+    """One kind of tuned choice: a dict from key to Choice, backed by the cache file, watched for drift.
+
+    Args:
+        text: the key as stored in the cache file (it names the device model, not its index).
+        valid: whether a choice read from the file can be used (its option names exist); others are tuned again.
+    """
+
+    def __init__(self, text: Callable[[Any], str], valid: Callable[[Choice], bool]) -> None:
+        super().__init__()
+        self.text, self.valid = text, valid
+        self.slow: dict[Hashable, int] = {}  # calls in a row that ran _DRIFT times slower than tuned
+        self.retunes: dict[Hashable, int] = {}
+        self.exploring: dict[Hashable, Exploration] = {}
+        _STORES.append(self)
+
+    def lookup(self, key: Hashable) -> Choice | None:
+        """The choice in memory, else in the cache file (a malformed or unusable entry counts as none)."""
+        if key in self:
+            return self[key]
+        found = entry(self.text(key))
+        if found is None:
+            return None
+        try:  # an entry edited by hand or written by another version: ignored, tuned again
+            choice = Choice(str(found["backend"]), {str(n): float(t) for n, t in found.get("times", {}).items()},
+                            tuple(map(str, found.get("rejected", ()))), int(found.get("batch", 0)),
+                            tuple(map(str, found.get("parts", ()))), tuple(map(str, found.get("pending", ()))))
+        except (TypeError, ValueError, AttributeError, KeyError):
+            return None
+        if not self.valid(choice):
+            return None
+        self[key] = choice
+        return choice
+
+    def remember(self, key: Hashable, choice: Choice) -> None:
+        """Keep the choice, and write it to the cache file when persistence is on."""
+        self[key] = choice
+        if cache_path() is not None:
+            save({s.text(k): {"backend": c.backend, "times": c.times, "rejected": list(c.rejected),
+                              "batch": c.batch, "parts": list(c.parts), "pending": list(c.pending)}
+                  for s in _STORES for k, c in s.items()})
+
+    def reset(self) -> None:
+        """Forget every choice and drift count held in memory."""
+        self.clear()
+        self.slow.clear()
+        self.retunes.clear()
+        self.exploring.clear()
+
+    def run(self, key: Hashable, choice: Choice, batch: int, device: torch.device,
+            make: Callable[[str], Callable[[], Result]]) -> Result:
+        """Compute the result with the option the choice says now: a pending option in turn while it is explored
+        (the call timed when it is the second of two in a row; settled, the choice is remembered), else the
+        chosen one, watched for drift. ``make(name)`` gives the call of an option on the whole batch."""
+        if not choice.pending:
+            return self.watched(key, choice, batch, device, make(choice.backend))
+        explore = self.exploring.setdefault(key, Exploration(choice.pending))
+        name, timed = explore.next()
+        if not timed:
+            explore.skip()
+            return make(name)()
+        out, seconds = _timed(make(name), device)
+        winner = explore.record(name, seconds / max(batch, 1))
+        if winner is not None:
+            del self.exploring[key]
+            self.remember(key, Choice(winner, {**choice.times, **explore.times(choice.batch)}, choice.rejected,
+                                      choice.batch, choice.parts))
+        return out
+
+    def watched(self, key: Hashable, choice: Choice, batch: int, device: torch.device,
+                run: Callable[[], Result]) -> Result:
+        """Run the chosen option; on the CPU, time it, and forget the choice (the next call tunes again) once it
+        ran _DRIFT times slower per sample than tuned, _DRIFT_CALLS calls in a row, at most _MAX_RETUNES times."""
+        tuned = choice.times.get(choice.backend, 0.0)
+        if (device.type != "cpu" or tuned < _DRIFT_MIN_S or not (choice.batch and batch)
+                or self.retunes.get(key, 0) >= _MAX_RETUNES):
+            return run()
+        start = time.perf_counter()
+        out = run()
+        slow = (time.perf_counter() - start) / batch > _DRIFT * tuned / choice.batch
+        self.slow[key] = self.slow.get(key, 0) + 1 if slow else 0
+        if self.slow[key] >= _DRIFT_CALLS:
+            self.retunes[key] = self.retunes.get(key, 0) + 1
+            del self.slow[key]
+            self.pop(key, None)
+            forget(self.text(key))
+        return out
+
+
+def reset_all() -> None:
+    """Forget every store's choices held in memory and the entries read from the file (it is read again)."""
+    for store in _STORES:
+        store.reset()
+    clear()

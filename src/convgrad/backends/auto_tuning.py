@@ -1,80 +1,196 @@
-"""One tuning of "auto": probe the options against native, time the agreeing ones, pick the winner.
+"""One tuning mechanism for convgrad's measured choices: prune by cost model, screen on a slice, settle on use.
 
-An option is a callable computing one gradient (or both) with one backend, or "split" (the two
-per-gradient winners one after the other). Options are timed in interleaved rounds, each on its
-second call in a row, and compared by the median over rounds of their time over native's in the
-same round. See ``convgrad.backends.auto`` for how the choices are used.
+It serves "auto" (which backend computes a gradient, ``convgrad.backends.auto``) and the
+per-sample methods (``convgrad.per_sample.methods``). An option is a callable ``run(n)`` that
+computes the result for the first ``n`` samples of the batch. One tuning:
+
+1. **prune**: options with a cost-model estimate over ``PRUNE_ESTIMATE`` times the lowest
+   estimate are never called (options without an estimate always take part);
+2. **screen**: every option runs on the first ``screen_batch(N)`` samples (an eighth of the
+   batch): a probe, checked against the reference option's probe and serving as warm-up, then
+   one timed call. Options over ``SCREEN_DROP`` times the fastest screened time are dropped;
+3. **settle**: when one option survives, it is the choice. When several do, the fastest
+   screened is used for now and the survivors are compared on the calls that follow
+   (``Exploration``): those calls compute real results, so comparing costs no extra calls,
+   only the difference in speed while a slower survivor runs. Each survivor in turn runs
+   twice in a row, the second call timed, and a round's times are paired with the anchor's
+   (the incumbent if it survived, else the fastest screened); after ``_MIN_ROUNDS`` rounds (or
+   sooner when ``_ELIMINATE`` leaves one option) a clear call is settled, a close one gets up
+   to ``_CLOSE_ROUNDS``;
+4. **pick**: the incumbent (native, for "auto") stays unless another option beats it by more
+   than ``PREFER_NATIVE`` in the median over rounds of the paired ratios; "split" must beat
+   every single option by ``SPLIT_MARGIN``.
+
+The first call thus costs the screening: two calls of every option on an eighth of the batch,
+a quarter of one call per option.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "tune"]
+__all__ = ["PREFER_NATIVE", "PRUNE_ESTIMATE", "SCREEN_DROP", "SPLIT_MARGIN", "Choice", "Exploration", "Screen",
+           "agrees", "decide", "prune", "screen", "screen_batch", "tune"]
 
-# agreement with native on the probe: max |a - native| <= RTOL * max |native| + ATOL (per real dtype)
+Result = Any  # a gradient, a (grad_input, grad_weight) pair, or whatever the options compute
+Run = Callable[[int], Result]  # run(n): the result for the first n samples of the batch
+
+# agreement with the reference on the probe: max |a - ref| <= RTOL * max |ref| + ATOL (per real dtype)
 _AGREE = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-3, 1e-6), torch.float16: (2e-2, 1e-3),
           torch.bfloat16: (5e-2, 1e-2)}
-# Rounds of one tuning: at least _MIN_ROUNDS; a clear call (runner-up _CLEAR_MARGIN slower than the best) stops
-# there. A close call goes on with the options within _CLEAR_MARGIN of the best (and native, the reference), up to
-# _CLOSE_ROUNDS rounds or _TIME_BUDGET_S of wall time, whichever comes later, but never past _MAX_ROUNDS or
-# _CLOSE_BUDGET_S (warm-up calls count). Three rounds of a 70 ms layer had U-Net's up-conv tune fwdconv 3% faster
-# than native; `convgrad bench` then measured it 1.07x native.
-_MIN_ROUNDS, _CLOSE_ROUNDS, _MAX_ROUNDS = 3, 7, 15
-_TIME_BUDGET_S, _CLOSE_BUDGET_S = 1.0, 3.0
+# Rounds of an exploration: at least _MIN_ROUNDS unless _ELIMINATE leaves one option; a clear call (runner-up
+# _CLEAR_MARGIN slower than the best) settles there. A close call goes on with the options within _CLEAR_MARGIN of
+# the best (and the anchor), up to _CLOSE_ROUNDS rounds. Three rounds of a 70 ms layer had U-Net's up-conv tune
+# fwdconv 3% faster than native; `convgrad bench` then measured it 1.07x native.
+_MIN_ROUNDS, _CLOSE_ROUNDS = 3, 7
 _CLEAR_MARGIN = 1.1
-# Another backend replaces the incumbent (native, or the backend that won both gradients) only when it beats it by
-# more than PREFER_NATIVE; "split" must beat every backend by SPLIT_MARGIN. A tuning's timings carry noise, and the
-# speeds drift within a process, so a winner by less than that may be slower when measured again. A smaller
+# Before _MIN_ROUNDS, an option over this factor of the best after round r is dropped (and the exploration settles
+# when one option is left): one paired ratio carries 3-5% of noise on a shared 2-core machine, so an option 25%
+# behind after one round, or 15% behind after two, is not the winner.
+_ELIMINATE = {1: 1.25, 2: 1.15}
+# Another option replaces the incumbent (native, or the backend that won both gradients) only when it beats it by
+# more than PREFER_NATIVE; "split" must beat every single option by SPLIT_MARGIN. A tuning's timings carry noise, and
+# the speeds drift within a process, so a winner by less than that may be slower when measured again. A smaller
 # margin lost more than it won in `convgrad bench` (2 threads, 36 rounds): at 1.5%, U-Net's up-conv chose gemm and
 # ResNet-50's 3x3 at 7 chose fwdconv, then measured 1.068x and 1.050x native; a win lost to the margin costs at most
 # its size (wav2vec2's k3/2: 3.7%, which the incumbent rule now keeps). Split is held to 5%: it is two calls that
 # share nothing (native's backward reorders grad_output once for both gradients), and tunings flattered it by up
 # to 6%: U-Net's up-conv tuned split over 3% faster than native, then measured 1.044x native.
 PREFER_NATIVE, SPLIT_MARGIN = 1.03, 1.05
-
-Result = Any  # a gradient, or a (grad_input, grad_weight) pair
+# Screening: a slice of SCREEN_FRACTION-th of the batch, but at least SCREEN_MIN samples; an option over SCREEN_DROP
+# times the fastest there is dropped. A slice is a coarse guide, so the factor is generous and the survivors are
+# settled on the whole batch: benchmarks/auto_screen.py timed every backend of 28 layers (convgrad bench's suite
+# and a CIFAR ResNet-18's convs, 2 busy shared cores) on the slice and on the whole batch. Per-sample speeds move
+# with the batch (a slice fits in the caches; oneDNN splits a batch of one differently), and on that machine one
+# slice timing in three was delayed by other load, so the factor keeps an option unless it is far behind; see the
+# commit that set it for the figures.
+SCREEN_FRACTION, SCREEN_MIN, SCREEN_DROP = 8, 4, 2.0
+# Pruning by cost model: an option estimated over PRUNE_ESTIMATE times the cheapest is never run.
+PRUNE_ESTIMATE = 4.0
 
 
 @dataclass(frozen=True)
 class Choice:
-    """The outcome of one tuning: the winner, each agreeing candidate's median time (s), the rejected ones, and
-    the batch size timed (0: unknown)."""
+    """The outcome of one tuning.
+
+    Attributes:
+        backend: the winning option's name (a backend, "split", or a per-sample method).
+        times: seconds per call on the tuned batch for every option that ran: measured on the whole batch where
+            it was, else its screened time scaled by the batch over the screening batch.
+        rejected: options whose probe disagreed with the reference.
+        batch: the batch size tuned (0: unknown).
+        parts: where "split" is an option, the backends of grad_input and grad_weight.
+        pending: the survivors still to be compared on the calls that follow, the anchor first (empty: settled).
+    """
 
     backend: str
     times: dict[str, float]
     rejected: tuple[str, ...] = ()
     batch: int = 0
+    parts: tuple[str, ...] = ()
+    pending: tuple[str, ...] = ()
 
 
-def tune(options: dict[str, Callable[[], Result]], device: torch.device, batch: int = 0,
-         incumbent: str = "native") -> tuple[Choice, Result]:
-    """Probe every option against "native", then time the agreeing ones in interleaved rounds; the option with
-    the lowest median ratio to native within a round wins if it beats the incumbent by the margin (``_winner``).
+@dataclass
+class Screen:
+    """What a screening saw: per option its time scaled to the whole batch (s), the rejected, the probes."""
 
-    Returns the choice (``batch`` recorded in it) and the winner's probe result.
+    times: dict[str, float] = field(default_factory=dict)
+    rejected: tuple[str, ...] = ()
+    probes: dict[str, Result] = field(default_factory=dict)
+    batch: int = 0  # the screening batch
+
+
+def screen_batch(batch: int) -> int:
+    """The batch options are screened on: an eighth of ``batch``, rounded up, at least 4 samples (at most all).
+
+    Examples:
+        >>> from convgrad.backends.auto_tuning import screen_batch
+        >>> [screen_batch(n) for n in (0, 1, 8, 9, 32, 33, 256)]
+        [0, 1, 4, 4, 4, 5, 32]
     """
+    return min(batch, max(-(-batch // SCREEN_FRACTION), SCREEN_MIN))
+
+
+def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = ()) -> set[str]:
+    """The options a cost model rules out: estimated over PRUNE_ESTIMATE times the cheapest (never those in keep)."""
+    if not estimates:
+        return set()
+    low = min(estimates.values())
+    return {n for n, e in estimates.items() if n not in keep and e > PRUNE_ESTIMATE * low}
+
+
+def screen(options: Mapping[str, Run], batch: int, device: torch.device, reference: str,
+           agree: Callable[[Result, Result], bool] | None = None, on: int | None = None) -> Screen:
+    """Probe every option on ``on`` samples (default ``screen_batch(batch)``) against the reference's probe, then
+    time each once.
+
+    An option whose probe disagrees (or whose result is not finite while the reference's is) is rejected and not
+    timed. When the reference's own probe is not finite, only the reference is kept (nothing can be checked).
+    """
+    agree = agree or agrees
+    n = screen_batch(batch) if on is None else on
+    scale = batch / n if n else 1.0
     with torch.no_grad():
-        outs = {name: option() for name, option in options.items()}  # the probe, also the warm-up
-        ref = outs["native"]
+        probes = {name: run(n) for name, run in options.items()}  # also the warm-up of the timed call
+        ref = probes[reference]
         if not _finite(ref):
-            return Choice("native", {}, (), batch), ref
-        ok = [n for n in options if n == "native" or _agrees(outs[n], ref)]
-        samples = _rounds({n: options[n] for n in ok}, device)
-    winner = _winner(_paired(samples), incumbent)
-    times = {n: statistics.median(s) for n, s in samples.items()}
-    return Choice(winner, times, tuple(n for n in options if n not in ok), batch), outs[winner]
+            return Screen({}, (), {reference: ref}, n)
+        ok = [name for name in options if name == reference or agree(probes[name], ref)]
+        times = {name: _timed(lambda r=options[name]: r(n), device)[1] * scale for name in ok}
+        for name in ok:  # a call delayed by other load must not drop an option: those to be dropped run once more
+            if times[name] > SCREEN_DROP * min(times.values()):
+                times[name] = min(times[name], _timed(lambda r=options[name]: r(n), device)[1] * scale)
+    return Screen(times, tuple(name for name in options if name not in ok), probes, n)
 
 
-def _agrees(out: Result, ref: Result) -> bool:
-    if isinstance(ref, tuple):
-        return all(_agrees(o, r) for o, r in zip(out, ref, strict=True))
+def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected: tuple[str, ...] = (),
+           keep: tuple[str, ...] = ()) -> Choice:
+    """The choice from estimated times on the whole batch (from a screening, or composed from one).
+
+    Options over SCREEN_DROP times the best estimate are dropped, except those in ``keep``. The fastest estimated
+    is chosen; when others survive, they are pending, to be compared on the calls that follow, the anchor (the
+    incumbent if it survived, else the fastest) first.
+    """
+    if not estimates or batch == 0:
+        return Choice(incumbent, dict(estimates), rejected, batch)
+    best = min(estimates.values())
+    alive = sorted((n for n, e in estimates.items() if e <= SCREEN_DROP * best or n in keep),
+                   key=estimates.__getitem__)
+    anchor = incumbent if incumbent in alive else alive[0]
+    pending = (anchor, *(n for n in alive if n != anchor)) if len(alive) > 1 else ()
+    return Choice(alive[0], dict(estimates), rejected, batch, (), pending)
+
+
+def tune(options: Mapping[str, Run], batch: int, device: torch.device, reference: str = "native",
+         incumbent: str | None = None, estimates: Mapping[str, float] | None = None,
+         agree: Callable[[Result, Result], bool] | None = None, on: int | None = None) -> tuple[Choice, Result | None]:
+    """Prune, screen (on ``on`` samples, default ``screen_batch(batch)``) and decide (see the module doc).
+
+    ``reference`` is never pruned, checks the others and is never dropped by the screening: when it was not the
+    fastest there, it stays among the options compared on the calls that follow, so that a slice that misranks
+    the options cannot leave a choice slower than the reference. Returns the choice and, when the screening ran
+    on the whole batch, the chosen option's result (None otherwise: the caller runs it).
+    """
+    dropped = prune(estimates or {}, keep=(reference,))
+    seen = screen({n: r for n, r in options.items() if n not in dropped}, batch, device, reference, agree, on)
+    choice = decide(batch, seen.times, incumbent or reference, seen.rejected, keep=(reference,))
+    out = seen.probes.get(choice.backend) if seen.batch == batch else None
+    return choice, out
+
+
+def agrees(out: Result, ref: Result) -> bool:
+    """Whether out matches ref (tensors, or tuples of them) within the dtype's tolerance of the reference's scale."""
+    if isinstance(ref, (tuple, list)):
+        return len(out) == len(ref) and all(agrees(o, r) for o, r in zip(out, ref, strict=True))
+    if ref is None or out is None:
+        return ref is out
     if out.shape != ref.shape or out.dtype != ref.dtype:
         return False
     real = torch.empty((), dtype=ref.dtype).real.dtype
@@ -84,7 +200,9 @@ def _agrees(out: Result, ref: Result) -> bool:
 
 
 def _finite(ref: Result) -> bool:
-    return all(bool(torch.isfinite(r).all()) for r in (ref if isinstance(ref, tuple) else (ref,)))
+    if isinstance(ref, (tuple, list)):
+        return all(_finite(r) for r in ref)
+    return ref is None or bool(torch.isfinite(ref).all())
 
 
 def _sync(device: torch.device) -> None:
@@ -101,10 +219,10 @@ def _timed(option: Callable[[], Result], device: torch.device) -> tuple[Result, 
 
 
 def _winner(ratios: dict[str, float], incumbent: str = "native") -> str:
-    """The incumbent (native; for both gradients, the backend that won each of them), unless another backend's own
-    call beats it by more than PREFER_NATIVE; "split" only if it beats every backend's own call by SPLIT_MARGIN."""
-    incumbent = incumbent if incumbent in ratios else "native"
-    singles = [n for n in ratios if n != "split"]
+    """The incumbent (native; for both gradients, the backend that won each of them), unless another option
+    beats it by more than PREFER_NATIVE; "split" only if it beats every single option by SPLIT_MARGIN."""
+    incumbent = incumbent if incumbent in ratios else min(ratios, key=ratios.__getitem__)
+    singles = [n for n in ratios if n != "split"] or [incumbent]
     best = min(singles, key=lambda n: (ratios[n], n != incumbent))
     winner = best if ratios[best] * PREFER_NATIVE <= ratios[incumbent] else incumbent
     if "split" in ratios and ratios["split"] * SPLIT_MARGIN <= ratios[best]:
@@ -112,36 +230,55 @@ def _winner(ratios: dict[str, float], incumbent: str = "native") -> str:
     return winner
 
 
-def _paired(samples: dict[str, list[float]]) -> dict[str, float]:
-    """Each option's median over rounds of its time over native's in the same round (native: 1.0).
+def _paired(samples: dict[str, list[float]], anchor: str = "native") -> dict[str, float]:
+    """Each option's median over rounds of its time over the anchor's in the same round (the anchor: 1.0).
 
     Paired within a round, load that comes and goes during the tuning cancels out of each ratio; the
     median, not the best time, is what a layer then runs at (`convgrad bench` reports the same statistic).
-    An option dropped from later rounds is paired with native's first rounds only.
+    An option dropped from later rounds is paired with the anchor's first rounds only.
     """
-    ref = samples["native"]
+    ref = samples[anchor]
     return {n: statistics.median(t / r for t, r in zip(s, ref)) for n, s in samples.items()}
 
 
-def _rounds(options: dict[str, Callable[[], Result]], device: torch.device) -> dict[str, list[float]]:
-    """Each option's times over interleaved rounds (order rotating); how many rounds, and which options stay
-    in them, is said where _MIN_ROUNDS is set."""
-    active, samples, spent = list(options), {n: [] for n in options}, 0.0
-    for r in range(_MAX_ROUNDS):
-        for n in active[r % len(active):] + active[:r % len(active)]:
-            # timed on its second call in a row, as torch.utils.benchmark (and so `convgrad bench`) times it: a
-            # first call after another option ran in that option's cache and heap state. Timed alone, ResNet-50's
-            # 1x1 expand tuned "split" 5% faster than native, then ran 4.5-5.8% slower than native.
-            warm = _timed(options[n], device)[1]
-            seconds = _timed(options[n], device)[1]
-            samples[n].append(seconds)
-            spent += warm + seconds
-        if r + 1 < _MIN_ROUNDS:
-            continue
-        ratios = _paired(samples)
-        best = min(ratios[n] for n in active)
-        close = [n for n in active if ratios[n] <= _CLEAR_MARGIN * best]
-        if len(close) < 2 or spent > _CLOSE_BUDGET_S or (spent > _TIME_BUDGET_S and r + 1 >= _CLOSE_ROUNDS):
-            break
-        active = [n for n in active if n in close or n == "native"]
-    return samples
+class Exploration:
+    """The comparison of a choice's pending options on the calls that follow (see the module doc, step 3).
+
+    Ask ``next()`` which option to run and whether to time it; report a timed call with ``record``, which
+    returns the settled winner once there is one.
+    """
+
+    def __init__(self, pending: tuple[str, ...]) -> None:
+        self.anchor = pending[0]  # the incumbent, if it survived the screening (see decide)
+        self.active = list(pending)
+        self.samples: dict[str, list[float]] = {n: [] for n in pending}
+        self.rounds, self._turn, self._calls = 0, 0, 0
+
+    def next(self) -> tuple[str, bool]:
+        """The option the next call runs, and whether that call is timed (the second of two in a row)."""
+        order = self.active[self.rounds % len(self.active):] + self.active[:self.rounds % len(self.active)]
+        return order[self._turn], self._calls == 1
+
+    def skip(self) -> None:
+        """The untimed call ran: the next one is timed."""
+        self._calls = 1
+
+    def record(self, name: str, seconds_per_sample: float) -> str | None:
+        """Keep a timed call's time; at the end of a round, drop or settle. Returns the winner once settled."""
+        self.samples[name].append(seconds_per_sample)
+        self._calls, self._turn = 0, self._turn + 1
+        if self._turn < len(self.active):
+            return None
+        self._turn, self.rounds = 0, self.rounds + 1
+        ratios = _paired({n: self.samples[n] for n in self.active}, self.anchor)
+        best = min(ratios.values())
+        margin = _ELIMINATE[self.rounds] if self.rounds < _MIN_ROUNDS else _CLEAR_MARGIN
+        close = [n for n in self.active if ratios[n] <= margin * best]
+        if len(close) < 2 or self.rounds >= _CLOSE_ROUNDS:
+            return _winner(ratios, self.anchor)
+        self.active = [n for n in self.active if n in close or n == self.anchor]
+        return None
+
+    def times(self, batch: int) -> dict[str, float]:
+        """Each option's median time per call on ``batch`` samples (s)."""
+        return {n: statistics.median(s) * batch for n, s in self.samples.items() if s}

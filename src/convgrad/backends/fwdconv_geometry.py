@@ -129,6 +129,13 @@ def row_or_pad(axis: Axis, j: int) -> Cell | Out:
     return Cell("pad", axis.cells[-1].key + j - len(axis.cells) + 1)
 
 
+def plain(geometry: Geometry, step: object) -> Axis:
+    """The geometry as one axis, for a step that splits one (it cannot split a split one again)."""
+    if not isinstance(geometry, Axis):
+        raise TypeError(f"{type(step).__name__}.rows: expects the rows of one tensor, not a {type(geometry).__name__}")
+    return geometry
+
+
 def select(axis: Axis, indices: Sequence[int], why: str = "skipped") -> Axis:
     """The cells at these indices (keys kept); the others are dropped as ``why``."""
     keep = set(indices)

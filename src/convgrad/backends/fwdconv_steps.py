@@ -278,8 +278,8 @@ class FoldTaps:
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """One member per tap t: the rows t*d + j*s, j < o, that it meets."""
         k, s, d, o = self.kernel_size[dim], self.stride[dim], self.dilation[dim], self.shape[2 + dim]
-        assert isinstance(axis, geo.Axis)  # FoldTaps is the last data step of its plan
-        return geo.Family(tuple(geo.select(axis, [t * d + j * s for j in range(o)]) for t in range(k)), False)
+        windows = [[t * d + j * s for j in range(o)] for t in range(k)]
+        return geo.Family(tuple(geo.select(geo.plain(axis, self), w) for w in windows), False)
 
     def code(self, v: str, shape: Shape) -> list[str]:
         n, c_x, *_ = shape
@@ -308,7 +308,8 @@ class TapsToKernel:
 
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """The one result row of each tap's member becomes row t."""
-        assert isinstance(axis, geo.Family)  # the results of FoldTaps' members
+        if not isinstance(axis, geo.Family):
+            raise TypeError(f"TapsToKernel.rows: expects the results of its tap windows, not a {type(axis).__name__}")
         return geo.renumber(geo.Axis(()), [m.cells[0] for m in axis.members])  # type: ignore[union-attr]
 
     def code(self, v: str, shape: Shape) -> list[str]:
@@ -394,9 +395,8 @@ class SpaceToDepth:
 
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """One member per phase phi < d: the rows phi, phi + d, ...; the conv sums over the members (channels)."""
-        d = self.block[dim]
-        assert isinstance(axis, geo.Axis)  # SpaceToDepth is the last step of its path
-        return geo.Family(tuple(geo.select(axis, range(phi, len(axis.cells), d)) for phi in range(d)), True)
+        d, rows = self.block[dim], geo.plain(axis, self)
+        return geo.Family(tuple(geo.select(rows, range(phi, len(rows.cells), d)) for phi in range(d)), True)
 
     def code(self, v: str, shape: Shape) -> list[str]:
         n, c, *size = shape

@@ -3,7 +3,7 @@
 Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``. Whatever a
 user can cause ends here as one line on stderr and exit status 2, never a traceback: a
 ValueError or TypeError from the library, a path that cannot be written (OSError), a
-``--device`` this machine does not have. A closed pipe (``convgrad ... | head``) ends
+``--device`` this machine does not have, sizes too large for its memory. A closed pipe (``convgrad ... | head``) ends
 quietly, as the Python documentation advises for SIGPIPE.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -141,6 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except (ValueError, TypeError, OSError) as err:
         print(_one_line(args.command, err), file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as err:  # torch's allocators: sizes this machine cannot hold
+        if isinstance(err, RuntimeError) and not any(s in str(err) for s in ("can't allocate memory", "out of memory")):
+            raise  # anything else is a bug: keep its traceback
+        tried = re.search(r"tried to allocate [^.(]*[^.( ]", str(err))
+        print(f"convgrad {args.command}: error: not enough memory for these sizes"
+              f"{f' ({tried.group(0)})' if tried else ''}", file=sys.stderr)
         return 2
 
 

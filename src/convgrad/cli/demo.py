@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"convgrad demo: --{name}={getattr(args, name)} must be positive")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"convgrad demo: --steps={args.steps} must be positive")
+    args.out.mkdir(parents=True, exist_ok=True)  # an unwritable --out fails now, not after the training
     console = Console()
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -68,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     summary = _summary(args, result)
     _print_report(console, summary)
-    args.out.mkdir(parents=True, exist_ok=True)
     _plot(result, args.out / "training.png")
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"wrote {args.out / 'training.png'} and {args.out / 'summary.json'}")

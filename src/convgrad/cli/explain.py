@@ -5,6 +5,8 @@ Example::
     convgrad explain --input 1,1,5,5 --weight 1,1,3,3 --stride 2
     convgrad explain --input 2,4,9 --weight 4,2,3 --groups 2 --padding 1:2 --code
     convgrad explain --input 1,8,4,4 --weight 8,4,4,4 --transposed --stride 2 --output-padding 1 --plot t.png
+    convgrad explain --input 1,1,5,5 --weight 1,1,3,3 --stride 2 --method zero_insert --animate zeros.gif
+    convgrad explain --input 1,1,3,3 --weight 1,1,3,3 --transposed --stride 2 --html transposed.html
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import sys
 from typing import Any
 
+from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
 from convgrad.cli import add_conv_arguments, parse_shape
 
 __all__ = ["add_arguments", "run"]
@@ -29,6 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device for the native kernel choice (default cpu)")
     parser.add_argument("--code", action="store_true", help="print the standalone PyTorch script instead")
     parser.add_argument("--plot", metavar="PATH", help="save the recipe's figure (PNG, SVG, PDF...)")
+    parser.add_argument("--animate", metavar="PATH",
+                        help="save a step-through animation: .gif or .webp, .mp4 (needs ffmpeg), or .html")
+    parser.add_argument("--html", metavar="PATH", help="save a self-contained page: frames with a slider, the "
+                                                        "recipe and its PyTorch script")
+    parser.add_argument("--max-frames", type=int, default=120, help="frames in --animate/--html (default 120)")
+    methods = ", ".join(INPUT_METHODS + WEIGHT_METHODS)
+    parser.add_argument("--method", help=f"a formulation to show, for whichever gradient has it ({methods})")
+    parser.add_argument("--input-method", choices=INPUT_METHODS,
+                        help="the formulation of x from y: grad_input, or a transposed conv's own forward")
+    parser.add_argument("--weight-method", choices=WEIGHT_METHODS, help="the formulation of grad_weight")
 
 
 def _dtype(name: str) -> Any:
@@ -48,13 +61,15 @@ def _pairs(padding: Any, n: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the recipe and the native choice (or the script with --code); save the figure with --plot."""
+    """Print the recipe and the native choice (or the script with --code); save the figure with --plot, the
+    animation with --animate, the page with --html."""
     import convgrad
 
     padding = _pairs(args.padding, len(args.weight) - 2)
     hyper = dict(stride=args.stride, padding=padding, dilation=args.dilation, transposed=args.transposed,
                  output_padding=args.output_padding, groups=args.groups)
-    recipe = convgrad.explain(args.input, args.weight, **hyper)
+    recipe = convgrad.explain(args.input, args.weight, **hyper, method=args.method, input_method=args.input_method,
+                              weight_method=args.weight_method)
     if args.code:
         print(recipe.to_python(), end="")
     else:
@@ -64,4 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         recipe.plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if args.animate:
+        recipe.animate(args.animate, max_frames=args.max_frames)
+        print(f"wrote {args.animate}", file=sys.stderr)
+    if args.html:
+        recipe.to_html(args.html, max_frames=args.max_frames)
+        print(f"wrote {args.html}", file=sys.stderr)
     return 0

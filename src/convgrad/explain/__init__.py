@@ -2,9 +2,11 @@
 
 One view per module, all read from the same fwdconv plans, so what is explained is what runs:
 
-- ``recipe``: ``explain(...)`` and ``Recipe`` (the text view, ``str(recipe)``);
+- ``recipe``: ``explain(...)`` and ``Recipe`` (the text view, ``str(recipe)``), with ``symbols``;
 - ``code``: ``Recipe.to_python()``, a standalone PyTorch script;
-- ``picture``: ``Recipe.plot()``;
+- ``frames``: every cell a plan produces and the products it sums, read from each step's geometry;
+- ``layout`` and ``render``: which frames, where, drawn with matplotlib;
+- ``picture``: ``Recipe.plot()``; ``animation``: ``Recipe.animate()``; ``html``: ``Recipe.to_html()``;
 - ``native``: ``native_backend(...)``, which kernel ``aten.convolution_backward`` dispatches to.
 
 ``convgrad.explain`` is this package, and calling it calls ``explain`` (see ``_CallableModule``).

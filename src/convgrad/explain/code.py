@@ -118,7 +118,7 @@ def plan_code(plan: Any, out: str, shapes: dict[str, Shape]) -> list[str]:
                                       f"code template")
     lines = [f"# {plan.gradient}: conv of {plan.data} with {plan.kernel} as the kernel"]
     if plan.conv is None:
-        return [*lines, f"{out} = torch.zeros({tuple(plan.shape)}, dtype=grad_output.dtype)  # empty sum (batch 0)"]
+        return [*lines, f"{out} = grad_output.new_zeros({tuple(plan.shape)})  # empty sum (batch 0)"]
     names = {"data": "t", "kernel": "k"}
     for role, steps in (("data", plan.data_steps), ("kernel", plan.kernel_steps)):
         v, src = names[role], getattr(plan, role)
@@ -163,11 +163,12 @@ def script(recipe: Recipe) -> str:
     body += [f"grad_bias = grad_output.sum(dim={dims})  # ({spec.out_channels},)",
              'return {"grad_input": grad_input, "grad_weight": grad_weight, "grad_bias": grad_bias}']
     ref = ["x = input.detach().requires_grad_()", "w = weight.detach().requires_grad_()",
-           f"b = torch.zeros({spec.out_channels}, dtype=input.dtype, requires_grad=True)",
+           f"b = input.new_zeros({spec.out_channels}, requires_grad=True)",
            *_reference_lines(spec),
            "gx, gw, gb = torch.autograd.grad(y, (x, w, b), grad_output)",
            'return {"grad_input": gx, "grad_weight": gw, "grad_bias": gb}']
-    rand = [f"    {name} = torch.randn({_dims(shape)}, dtype=torch.float64)" for name, shape in shapes.items()]
+    rand = [f"    {name} = torch.randn({_dims(shape)}, dtype=torch.float64, device=DEVICE)"
+            for name, shape in shapes.items()]
     unbatched = "  (the recipe works on batched tensors; N=1 stands for unbatched)" if spec.unbatched else ""
     return "\n".join([
         f'"""Backward of {spec.describe()} with forward operations only.{unbatched}',
@@ -177,6 +178,8 @@ def script(recipe: Recipe) -> str:
         '"""',
         "import torch",
         "import torch.nn.functional as F",
+        "",
+        'DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # every tensor of main() is created on it',
         "",
         "",
         "def recipe_grads(input, weight, grad_output):",

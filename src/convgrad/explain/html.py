@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from convgrad.explain.animation import frames
+from convgrad.explain.animation import check_path, frames
 
 if TYPE_CHECKING:
     from convgrad.explain.recipe import Recipe
@@ -76,6 +76,7 @@ def to_html(recipe: Recipe, path: Path, gradients: tuple[str, ...], max_frames: 
     """Write the page of Recipe.to_html to ``path``."""
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"Recipe.to_html: path={str(path)!r} must end in .html")
+    check_path(path, "Recipe.to_html")
     pngs, labels = [], []
     for _, image, label in frames(recipe, gradients, max_frames, "Recipe.to_html"):
         buffer = io.BytesIO()

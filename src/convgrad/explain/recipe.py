@@ -309,13 +309,12 @@ class Recipe:
 def _methods(method: str | None, input_method: str | None, weight_method: str | None) -> tuple[str | None, str | None]:
     """method=NAME applies NAME to whichever gradient has it; the explicit ones must name their own list."""
     if method is not None:
-        if method in INPUT_METHODS and input_method in (None, method):
-            input_method = method
-        elif method in WEIGHT_METHODS and weight_method in (None, method):
-            weight_method = method
-        else:
-            raise ValueError(f"explain: method={method!r} must be one of {INPUT_METHODS + WEIGHT_METHODS} and agree "
-                             f"with input_method={input_method!r} and weight_method={weight_method!r}")
+        if method not in INPUT_METHODS + WEIGHT_METHODS:
+            raise ValueError(f"explain: method={method!r} must be None or one of {INPUT_METHODS + WEIGHT_METHODS}")
+        name, given = ("input_method", input_method) if method in INPUT_METHODS else ("weight_method", weight_method)
+        if given not in (None, method):
+            raise ValueError(f"explain: method={method!r} and {name}={given!r} disagree; give one of them")
+        input_method, weight_method = (method, weight_method) if name == "input_method" else (input_method, method)
     if input_method is not None and input_method not in INPUT_METHODS:
         raise ValueError(f"explain: input_method={input_method!r} must be None or one of {INPUT_METHODS}")
     if weight_method is not None and weight_method not in WEIGHT_METHODS:

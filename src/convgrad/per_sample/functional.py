@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from convgrad.per_sample import methods
+from convgrad.per_sample import methods, tuning
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
 __all__ = ["per_sample_bias_grad", "per_sample_grad_norms", "per_sample_weight_grad"]
@@ -66,7 +66,9 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
         transposed: the layer is a transposed convolution (default False).
         output_padding: int or N-tuple, transposed only (default 0).
         method: ``"unfold"`` (im2col + one batched GEMM per group), ``"conv"`` (a grouped convolution
-            with the batch folded into the groups) or ``"auto"`` (default; the cost model of
+            with the batch folded into the groups) or ``"auto"`` (default: the faster of the two, timed once per
+            layer configuration on a slice of the batch, as ``backend="auto"`` times backends; with
+            ``CONVGRAD_AUTOTUNE=fixed`` the cost model of
             [`per_sample_grad_norms`][convgrad.per_sample.functional.per_sample_grad_norms]). ``"ghost"`` computes norms
             only and is refused here.
 
@@ -97,7 +99,7 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
         raise ValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
                          f"'unfold', 'conv' or 'auto'")
     if method == "auto":
-        method = methods.choose_method(spec, norms=False)
+        method = tuning.method_for(spec, x, y, "grads")
     return methods.weight_grad(spec, x, y, method)
 
 
@@ -145,9 +147,12 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
     "ghost" never forms a per-sample gradient: with U = im2col(x) per group,
     ``|gw[n]|² = Σ_g ⟨y[n]ᵀ y[n], U[n]ᵀ U[n]⟩``, one pair of P×P Gram matrices per group
     (summing the Gram matrices over groups first, as BackPACK's BatchL2Grad does, adds the
-    cross-group terms and is wrong). "auto" picks per layer, with P = prod(out positions of
-    the small side), T = prod(k), g = groups and C_x, C_y the channels of the big and small
-    side (the input and output channels of a forward conv):
+    cross-group terms and is wrong). "auto" times the methods once per layer configuration on a
+    slice of the batch (``convgrad.per_sample.tuning``; a method whose multiply-adds below are over
+    4x the cheapest is never run) and takes the fastest; with ``CONVGRAD_AUTOTUNE=fixed`` it follows
+    the cost model below, with P = prod(out positions of the small side), T = prod(k), g = groups
+    and C_x, C_y the channels of the big and small side (the input and output channels of a
+    forward conv):
 
     - time: materialising costs ``N·P·C_y·C_x·T/g`` MACs, the ghost norm ``N·P²·(C_y + C_x·T)``;
       "ghost" is chosen iff ``P·g·(C_y + C_x·T) < C_y·C_x·T``, which also makes its memory
@@ -189,7 +194,7 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
     if not isinstance(bias, bool):
         raise TypeError(f"{fn}: bias={bias!r} must be a bool")
     if method == "auto":
-        method = methods.choose_method(spec, norms=True)
+        method = tuning.method_for(spec, x, y, "norms")
     if method == "ghost":
         sq = methods.ghost_sq_norms(spec, x, y)
     else:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from convgrad.per_sample import distributed
+from convgrad.per_sample.methods import sq_norms
 from convgrad.per_sample.rules import SAMPLE_MIXING, Grads, Layer, mixes_samples, rule_for
 
 __all__ = ["PerSampleGrads"]
@@ -57,32 +58,6 @@ class _Tap(torch.autograd.Function):
 
 _SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn), Linear, GroupNorm, LayerNorm, "
               "BatchNorm in eval mode")
-
-
-def _ddp_class() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel
-
-
-def _refuse_wrappers(fn: str, model: nn.Module) -> None:
-    """Wrappers whose hooks or parameters PerSampleGrads cannot see through: refused, never half-handled."""
-    ddp = _ddp_class()
-    loaded = sys.modules.get("torch.distributed.fsdp")  # not imported: no module can be FSDP (importing costs ~1 s)
-    fsdp = tuple(getattr(loaded, k) for k in ("FullyShardedDataParallel", "FSDPModule") if hasattr(loaded, k))
-    for name, m in model.named_modules():
-        what = f"module {name!r}" if name else "the model itself"
-        if isinstance(m, nn.DataParallel):
-            raise TypeError(f"{fn}: {what} is a torch.nn.DataParallel, whose replicas the hooks cannot "
-                            f"follow; use DistributedDataParallel (PerSampleGrads(ddp_model))")
-        if ddp is not None and isinstance(m, ddp) and m is not model:
-            raise TypeError(f"{fn}: {what} is a DistributedDataParallel inside the model; pass the "
-                            f"DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
-        if isinstance(m, fsdp):
-            raise TypeError(f"{fn}: {what} ({type(m).__name__}) shards its parameters, which the "
-                            f"per-sample rules cannot see; FSDP is not supported (DistributedDataParallel is)")
 
 
 @dataclass
@@ -177,9 +152,8 @@ class PerSampleGrads:
             raise ValueError(f"{fn}: loss_reduction={loss_reduction!r} must be 'sum' or 'mean'")
         if not isinstance(norms_only, bool):
             raise TypeError(f"{fn}: norms_only={norms_only!r} must be a bool")
-        _refuse_wrappers(fn, model)
-        ddp = _ddp_class()
-        self._ddp = model if ddp is not None and isinstance(model, ddp) else None
+        distributed.refuse_wrappers(fn, model)
+        self._ddp = distributed.as_ddp(model)
         self.model, self.loss_reduction, self.norms_only = model, loss_reduction, norms_only
         self._names = {m: name or "(the model itself)" for name, m in model.named_modules()}
         self._rules: dict[nn.Module, type[Layer]] = {}
@@ -250,17 +224,9 @@ class PerSampleGrads:
         if why:
             raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) {why}")
 
-    def _check_outer_ddp(self) -> None:
-        """A forward inside a DDP module that synchronises: its buckets would all-reduce before any clipping."""
-        active = getattr(_ddp_class(), "_active_ddp_module", None)
-        if active is not None and active.require_backward_grad_sync:
-            raise ValueError("PerSampleGrads: the forward runs inside a DistributedDataParallel module that "
-                             "all-reduces gradients during the backward, before they can be clipped per sample; "
-                             "pass the DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
-
     def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled():
-            self._check_outer_ddp()
+            distributed.check_no_outer_sync()
             for k, p in self._trainable[module].items():
                 module._parameters[k] = p.detach()  # type: ignore[assignment]
             self._swapped.add(module)
@@ -305,12 +271,13 @@ class PerSampleGrads:
             first = rec.grads if rec.grads is not None else rec.layer.grads()  # type: ignore[union-attr]
             rec.grads = {k: first[k] + g for k, g in layer.grads().items()}
             rec.layer, rec.sq = None, None
-        elif layer.ghost_cheaper:
-            rec.sq, rec.layer = layer.ghost_sq_norms(), layer
-        elif layer.grad_elements <= layer.state_elements:
-            rec.grads = layer.grads()
-        else:
-            rec.sq, rec.layer = layer.materialised_sq_norms(), layer
+        else:  # the layer's clipping plan: keep its per-sample gradients, or its state for one more pass
+            how, store = layer.clip_plan()
+            if store:
+                rec.grads = layer.grads()
+            else:
+                rec.sq = layer.ghost_sq_norms() if how == "ghost" else layer.materialised_sq_norms()
+                rec.layer = layer
         return [None] * len(names)
 
     # ---- results --------------------------------------------------------------------------------
@@ -341,7 +308,7 @@ class PerSampleGrads:
         total = None
         for _, grads, _, sq in self._per_sample():
             if sq is None:
-                sq = sum(g.flatten(1).square().sum(1) for g in grads.values())  # type: ignore[union-attr]
+                sq = sum(sq_norms(g) for g in grads.values())  # type: ignore[union-attr]
             total = sq if total is None else total + sq
         if total is None:
             raise RuntimeError("PerSampleGrads.norms: no per-sample gradient was recorded; run the forward pass "
@@ -383,21 +350,8 @@ class PerSampleGrads:
         params = self._params()
         sums = [clipped[id(p)] if id(p) in clipped else torch.zeros_like(p) for p in params]
         if self._ddp is not None:
-            self._all_reduce(sums)
+            distributed.all_reduce_sum(sums, self._ddp.process_group)
         for p, g in zip(params, sums, strict=True):
             before = self._before.get(id(p), p.grad)
             p.grad = g if before is None else before + g
         return norms
-
-    def _all_reduce(self, tensors: list[torch.Tensor]) -> None:
-        """Sum the tensors over the DDP module's process group, in place in the list: one call per dtype."""
-        import torch.distributed as dist
-
-        kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for i, t in enumerate(tensors):
-            kinds.setdefault((t.dtype, t.device), []).append(i)
-        for idx in kinds.values():
-            flat = torch.cat([tensors[i].reshape(-1) for i in idx])  # (Σ numel,)
-            dist.all_reduce(flat, group=self._ddp.process_group)  # type: ignore[union-attr]
-            for i, chunk in zip(idx, flat.split([tensors[i].numel() for i in idx])):
-                tensors[i] = chunk.view_as(tensors[i])

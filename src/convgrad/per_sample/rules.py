@@ -24,7 +24,7 @@ from torch import nn
 
 from convgrad._ops import pad
 from convgrad.functional import conv_bias_grad, conv_transpose_weight_grad, conv_weight_grad
-from convgrad.per_sample import methods
+from convgrad.per_sample import methods, tuning
 from convgrad.per_sample.functional import per_sample_bias_grad
 from convgrad.spec import ConvSpec
 
@@ -67,11 +67,18 @@ class Layer:
 
     def materialised_sq_norms(self) -> torch.Tensor:
         """(N,) squared norms; rules with big gradients override this to work chunk by chunk."""
-        return sum(g.flatten(1).square().sum(1) for g in self.grads().values())  # type: ignore[return-value]
+        return sum(methods.sq_norms(g) for g in self.grads().values())  # type: ignore[return-value]
+
+    def clip_plan(self) -> tuple[str, bool]:
+        """How norms_only clips this layer: ("ghost" or "materialise", whether to keep the per-sample gradients for
+        a weighted sum instead of the state for one more gradient pass); kept only where they are smaller."""
+        if self.ghost_cheaper:
+            return "ghost", False
+        return "materialise", self.grad_elements <= self.state_elements
 
     def param_sq_norms(self) -> Grads:
         """{name: (N,) squared norm of that parameter's per-sample gradient} (Opacus keeps one norm per parameter)."""
-        return {k: g.flatten(1).square().sum(1) for k, g in self.grads().items()}
+        return {k: methods.sq_norms(g) for k, g in self.grads().items()}
 
     def clipped(self, factors: torch.Tensor) -> Grads:
         """{name: Σ_n factors[n]·grad[n]}, with one ordinary (batch-summed) gradient call on a scaled grad_output."""
@@ -138,7 +145,25 @@ class ConvLayer(Layer):
         self.sides = (grad_output, input) if spec.transposed else (input, grad_output)
         self.has_bias = m.bias is not None and m.bias.requires_grad
         self.has_weight = m.weight.requires_grad
-        self.ghost_cheaper = methods.choose_method(spec, norms=True) == "ghost"
+        self._materialise: str | None = None  # set by clip_plan: the method its plan materialises with
+
+    @property
+    def ghost_cheaper(self) -> bool:  # type: ignore[override]
+        """Whether the ghost norm is this layer's fastest way to its norms (measured, ``per_sample.tuning``)."""
+        return tuning.method_for(self.spec, *self.sides, "norms") == "ghost"
+
+    def clip_plan(self) -> tuple[str, bool]:
+        """The clipping plan measured for this layer (``per_sample.tuning``, purpose "clip"); storing the per-sample
+        gradients is allowed only where they take no more memory than the (input, grad_output) kept otherwise."""
+        method, _, kept = tuning.method_for(self.spec, *self.sides, "clip",
+                                            self.grad_elements <= self.state_elements).partition("+")
+        if method != "ghost":
+            self._materialise = method
+        return method, bool(kept)
+
+    def _method(self) -> str:
+        """The method that materialises this layer's per-sample gradients."""
+        return self._materialise or tuning.method_for(self.spec, *self.sides, "grads")
 
     def _bias(self) -> Grads:
         return {"bias": per_sample_bias_grad(self.gy) * self.scale} if self.has_bias else {}
@@ -146,7 +171,7 @@ class ConvLayer(Layer):
     def grads(self) -> Grads:
         out = self._bias()
         if self.has_weight:
-            gw = methods.weight_grad(self.spec, *self.sides, methods.choose_method(self.spec, norms=False))
+            gw = methods.weight_grad(self.spec, *self.sides, self._method())
             out["weight"] = gw.mul_(self.scale) if self.scale != 1 else gw
         return out
 
@@ -158,7 +183,7 @@ class ConvLayer(Layer):
             if self.ghost_cheaper if ghost is None else ghost:
                 sq = methods.ghost_sq_norms(self.spec, *self.sides)
             else:
-                sq = methods.materialised_sq_norms(self.spec, *self.sides, methods.choose_method(self.spec, False))
+                sq = methods.materialised_sq_norms(self.spec, *self.sides, self._method())
             out["weight"] = sq * self.scale**2
         if self.has_bias:
             out["bias"] = self._bias()["bias"].square().sum(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,8 +18,9 @@ from convgrad.cli.check.model import LayerCheck, check_model
 
 __all__ = ["add_arguments", "run"]
 
-LEGEND = ("err / bound: the largest error over its bound, pass when at most 1; "
-          "err / native: the largest error over native's own on the same inputs")
+BOUND_LEGEND = "err / bound: the largest error over its bound (pass when at most 1)"
+NATIVE_LEGEND = "err / native: the largest error over native's own on the same inputs"
+CELL_LEGEND = "a backend's cell: the largest error over its bound among its gradients (pass when at most 1)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +59,7 @@ def _console() -> Any:
     from rich.console import Console
 
     console = Console()
-    if not console.is_terminal:  # a file or a pipe: rows whole, never cut to 80 columns
+    if not console.is_terminal and "COLUMNS" not in os.environ:  # a file or a pipe: whole rows, not 80 columns
         console.width = 240
     return console
 
@@ -86,7 +88,8 @@ def _fmt(v: float, ratio: bool = False) -> str:
 def _table(first: tuple[str, ...], rows: list[tuple[str, ...]], last: tuple[str, ...]) -> Any:
     from rich.table import Table
 
-    table = Table()
+    legend = [BOUND_LEGEND, NATIVE_LEGEND] if "err / native" in last else [CELL_LEGEND]
+    table = Table(caption="\n".join(legend), caption_justify="left")
     for col in first:
         table.add_column(col)
     for col in last[:-1]:
@@ -160,17 +163,15 @@ def _run_random(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> l
     with _progress(console, f"checking {args.random} random configurations") as update:
         checked = check_random(args.random, args.seed, dtype, args.device, args.backend,
                                progress=lambda i: update(i, args.random))
-    title = f"{len(checked)} random configurations (seed {args.seed}), {args.dtype}"
+    console.print(f"{len(checked)} random configurations (seed {args.seed}), {args.dtype}")
     if args.verbose:
         rows = [(str(i), spec.describe(), r.backend, r.gradient, *_errors(r))
                 for i, (spec, results) in enumerate(checked) for r in results]
-        console.print(title)
         console.print(_table(("#", "configuration", "backend", "gradient"), rows, ERRORS))
     else:
         names = _backends(checked[0][1])
         rows = [(str(i), spec.describe(), *(_worst(results, b) for b in names), _verdict(results))
                 for i, (spec, results) in enumerate(checked)]
-        console.print(f"{title}: the largest err / bound of each backend's gradients")
         console.print(_table(("#", "configuration"), rows, (*names, "result")))
     failed = [r for _, results in checked for r in results if r.failed]
     compared = sum(1 for _, results in checked for r in results if not r.status.startswith("skip"))
@@ -185,16 +186,14 @@ def _run_model(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> li
     with _progress(console, f"checking the convolutions of {args.model}") as update:
         layers = check_model(args.model, _as_tuple(args.input_shape), args.backend, dtype, args.device, args.seed,
                              progress=update)
-    title = f"{args.model}, input {_as_tuple(args.input_shape)}, {args.dtype}: every conv on the tensors it sees"
+    console.print(f"{args.model}, input {_as_tuple(args.input_shape)}, {args.dtype}: every conv on the tensors it sees")
     if args.verbose:
         rows = [(layer.name, layer.module, r.backend, r.gradient, *_errors(r)) for layer in layers
                 for r in layer.results]
-        console.print(title)
         console.print(_table(("layer", "module", "backend", "gradient"), rows, ERRORS))
     else:
         names = _backends(layers[0].results)
         rows = [row for layer in layers for row in _layer_rows(layer, names)]
-        console.print(f"{title} (err / bound)")
         console.print(_table(("layer", "module", "gradient"), rows, (*names, "result")))
     return [r for layer in layers for r in layer.results if r.failed]
 
@@ -211,7 +210,6 @@ def run(args: argparse.Namespace) -> int:
         failed = _run_random(console, args, dtype)
     else:
         failed = _run_config(console, args, dtype)
-    console.print(LEGEND, style="dim")
     console.print(f"[red]{len(failed)} gradient(s) out of their error bound[/red]" if failed
                   else "[green]every gradient within its error bound[/green]")
     return 1 if failed else 0

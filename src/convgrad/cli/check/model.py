@@ -30,7 +30,7 @@ __all__ = ["LayerCheck", "check_model", "example_model", "load_factory"]
 
 @dataclass(frozen=True)
 class LayerCheck:
-    """One call of one convolution of a model: its name, its module, its configuration and the judged gradients."""
+    """One call of one convolution of a model: its name, its module in short, its configuration, its Results."""
 
     name: str
     module: str
@@ -172,6 +172,21 @@ def _record(model: torch.nn.Module, x: torch.Tensor, seed: int) -> list[Call]:
     return calls
 
 
+def _short(module: torch.nn.modules.conv._ConvNd) -> str:
+    """``Conv2d(3, 8, k=3, s=2, p=1)``: the arguments that differ from their defaults, one number per equal tuple."""
+    def one(v: Any) -> str:
+        return str(v) if isinstance(v, str) else str(v[0]) if len(set(v)) == 1 else "x".join(map(str, v))
+
+    parts = [str(module.in_channels), str(module.out_channels), f"k={one(module.kernel_size)}"]
+    for key, value, default in (("s", module.stride, 1), ("p", module.padding, 0), ("d", module.dilation, 1),
+                                ("op", module.output_padding, 0)):
+        if one(value) != str(default):
+            parts.append(f"{key}={one(value)}")
+    parts += [f"g={module.groups}"] * (module.groups != 1) + ["bias=False"] * (module.bias is None)
+    parts += [f"padding_mode={module.padding_mode}"] * (module.padding_mode != "zeros")
+    return f"{type(module).__name__}({', '.join(parts)})"
+
+
 def _layer(call: Call, fn: str) -> tuple[ConvSpec, torch.Tensor, torch.Tensor]:
     """One recorded call as a configuration and its batched input and grad_output."""
     _, module, x, (gy, *_) = call
@@ -245,7 +260,7 @@ def check_model(target: str, input_shape: tuple[int, ...], backends: list[str] |
         spec, x_, gy = _layer(call, fn)
         results = [r for r in check_gradients(spec, x_, module.weight, gy, dtype, names, fn)
                    if r.gradient != "grad_bias" or module.bias is not None]
-        layers.append(LayerCheck(name if counts[name] == 1 else f"{name} (call {seen[name]})", repr(module), spec,
+        layers.append(LayerCheck(name if counts[name] == 1 else f"{name} (call {seen[name]})", _short(module), spec,
                                  results))
         if progress is not None:
             progress(i + 1, len(calls))

@@ -1,0 +1,147 @@
+"""The measured choice of a layer's per-sample method, by the tuner of "auto" (``convgrad.backends.auto_tuning``).
+
+Three purposes, each a set of options for one conv layer (x, y: its two sides, see ``methods``):
+    "grads"  all per-sample gradients:            unfold, conv
+    "norms"  per-sample norms only:               ghost, unfold, conv (materialised chunk by chunk, then dropped)
+    "clip"   norms, then the clipped sum (DP-SGD): ghost, unfold, conv, each followed by one more weight-gradient
+             pass on the per-sample-scaled grad_output (Book-Keeping, Bu et al. 2023); and, where the per-sample
+             gradients take no more memory than the (input, grad_output) that pass would keep,
+             unfold+store, conv+store (materialised once, then a weighted sum)
+Options are first pruned by the cost model (multiply-adds, ``estimates``): one estimated over
+``PRUNE_ESTIMATE`` (4x) the cheapest is never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's
+multiply-adds, and it measured 423 ms against unfold's 36 ms). The rest are screened on the whole batch (a
+probe and a timed call each) and the fastest is taken. Not on a slice: the ranking moves with the batch (the
+small CNN's second conv, per sample: conv 0.17 ms and unfold 0.49 ms on 4 samples, but 2.15 and 1.26 ms on 32;
+2 busy shared cores). Unlike a backend, an option's work here is split between the backward and the
+clipping, so a later call cannot run one option whole: the screening alone decides. Choices share auto's mode
+(``CONVGRAD_AUTOTUNE=fixed``: the cost model of ``methods.choose_method``), its cache file and batch buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from convgrad._ops import plain
+from convgrad.backends import auto, auto_tuning, get_backend
+from convgrad.backends.auto_cache import Store, device_name
+from convgrad.backends.auto_tuning import Choice
+from convgrad.per_sample import methods
+from convgrad.spec import ConvSpec
+
+__all__ = ["PURPOSES", "chosen", "estimates", "method_for", "options"]
+
+PURPOSES = ("grads", "norms", "clip")
+_NAMES = ("ghost", "unfold", "conv", "unfold+store", "conv+store")
+Key = tuple[ConvSpec, str, torch.dtype, torch.device, int]
+
+
+def _key(spec: ConvSpec, purpose: str, like: torch.Tensor) -> Key:
+    threads = torch.get_num_threads() if like.device.type == "cpu" else 0
+    return dataclasses.replace(spec, batch=auto.batch_bucket(spec.batch)), purpose, like.dtype, like.device, threads
+
+
+def _key_text(key: Key) -> str:
+    spec, purpose, dtype, device, threads = key
+    return f"per_sample|{spec!r}|{purpose}|{dtype}|{device.type}:{device_name(device)}|threads={threads}"
+
+
+_choices = Store(_key_text, lambda c: {c.backend, *c.pending} <= set(_NAMES))
+
+
+def estimates(spec: ConvSpec, purpose: str, store: bool) -> dict[str, float]:
+    """Multiply-adds of each option (the cost model that prunes before any timing).
+
+    With W = C_y·C_x·T/g weight entries and P positions: materialising is N·P·W (a weight gradient's work),
+    the ghost norm N·P²·(C_y + C_x·T), the Book-Keeping pass N·P·W again, a weighted sum of stored gradients
+    N·W, and the norms of stored gradients N·W.
+    """
+    n, p, t, g = spec.batch, spec.positions, spec.taps, spec.groups
+    cx, cy = spec.x_channels, spec.y_channels
+    w = cy * cx * t // g
+    wgrad, ghost = n * p * w, n * p * p * (cy + cx * t)
+    if purpose == "grads":
+        return {"unfold": wgrad, "conv": wgrad}
+    out = {"ghost": ghost, "unfold": wgrad, "conv": wgrad}
+    if purpose == "clip":
+        out = {k: v + wgrad for k, v in out.items()}  # each followed by the Book-Keeping pass
+        if store:
+            out.update({"unfold+store": wgrad + 2 * n * w, "conv+store": wgrad + 2 * n * w})
+    return {k: float(v) for k, v in out.items()}
+
+
+def _fixed(spec: ConvSpec, purpose: str, store: bool) -> str:
+    """The cost model's choice (fixed mode, and wherever tensors cannot be timed)."""
+    if purpose == "grads":
+        return methods.choose_method(spec, norms=False)
+    method = methods.choose_method(spec, norms=True)
+    return f"{method}+store" if purpose == "clip" and store and method != "ghost" else method
+
+
+def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str,
+            store: bool) -> dict[str, Callable[[int], object]]:
+    """Each option as ``run(n)`` on the first n samples: what it computes for its purpose (for "clip": the
+    squared norms and the clipped sum with all factors 1, the Book-Keeping pass by the native backend)."""
+    names = estimates(spec, purpose, store)
+
+    def sub(n: int) -> tuple[ConvSpec, torch.Tensor, torch.Tensor]:
+        return (spec, x, y) if n == spec.batch else (dataclasses.replace(spec, batch=n), x[:n], y[:n])
+
+    def book_keeping(s: ConvSpec, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        inp, gy = (ys, xs) if s.transposed else (xs, ys)
+        return get_backend("native").weight_grad(s, inp, gy * torch.ones(s.batch, *(1,) * (gy.dim() - 1)))
+
+    def run(name: str, n: int) -> object:
+        s, xs, ys = sub(n)
+        method, _, kept = name.partition("+")
+        if purpose == "grads":
+            return methods.weight_grad(s, xs, ys, method)
+        if kept:
+            gw = methods.weight_grad(s, xs, ys, method)
+            return methods.sq_norms(gw), torch.tensordot(torch.ones(n, dtype=gw.dtype), gw, dims=1)
+        sq = methods.ghost_sq_norms(s, xs, ys) if method == "ghost" else methods.materialised_sq_norms(s, xs, ys,
+                                                                                                          method)
+        return (sq, book_keeping(s, xs, ys)) if purpose == "clip" else sq
+
+    return {name: (lambda n, name=name: run(name, n)) for name in names}
+
+
+def method_for(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store: bool = False) -> str:
+    """The method for this layer and purpose: tuned on first use (see the module doc), else the cost model.
+
+    Args:
+        spec: the layer; x, y: its two sides ``(N, C_x, *i)``, ``(N, C_y, *o)`` (``methods``).
+        purpose: "grads", "norms" or "clip".
+        store: "clip" only: whether storing the per-sample gradients is allowed (memory).
+
+    Returns:
+        One of "unfold", "conv" ("grads"), "ghost" too ("norms"), and "unfold+store", "conv+store" ("clip").
+    """
+    if auto.get_mode() == "fixed" or spec.batch == 0 or not (_tunable(x) and _tunable(y)):
+        return _fixed(spec, purpose, store)
+    key = _key(spec, f"{purpose}+store" if store else purpose, x)
+    choice = _choices.lookup(key)
+    if choice is None:
+        choice = _tune(spec, x, y, purpose, store)
+        _choices.remember(key, choice)
+    return choice.backend
+
+
+def chosen(spec: ConvSpec, purpose: str, like: torch.Tensor, store: bool = False) -> Choice | None:
+    """The tuned choice for this layer and purpose on tensors like ``like``, if any."""
+    return _choices.lookup(_key(spec, f"{purpose}+store" if store else purpose, like))
+
+
+def _tunable(t: torch.Tensor) -> bool:
+    return not torch.compiler.is_compiling() and plain(t) and t.device.type != "meta"
+
+
+def _tune(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store: bool) -> Choice:
+    est = estimates(spec, purpose, store)
+    reference = min(est, key=lambda n: (est[n], n != _fixed(spec, purpose, store)))
+    with torch.no_grad():
+        choice, _ = auto_tuning.tune(options(spec, x, y, purpose, store), spec.batch, x.device, reference,
+                                     estimates=est, on=spec.batch)
+    return dataclasses.replace(choice, pending=())  # the screening decides (module doc): its fastest
