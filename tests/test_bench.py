@@ -169,3 +169,12 @@ def test_printed_tables_are_whole_in_a_pipe_and_name_no_targets(tmp_path: Any) -
     assert "issue" not in lowered and "target" not in lowered and "goal" not in lowered and " no " not in lowered
     md = (tmp_path / "results.md").read_text().lower()
     assert "issue" not in md and "target" not in md
+
+
+def test_benchmarks_readme_says_how_long_a_run_takes_and_names_no_internal_goals() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "benchmarks" / "README.md").read_text()
+    assert "How long it takes" in text and "minutes" in text and "--list" in text
+    lowered = text.lower()
+    assert "issue" not in lowered and "target" not in lowered and "goal" not in lowered

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 Pair = tuple[int, int]
@@ -467,6 +467,25 @@ class ConvSpec:
         and x_read to U*d rows.
         """
         return tuple((k - 1 + -(-o // d), -(-o // d)) for k, d, o in zip(self.kernel_size, self.dilation, self.y_size))
+
+    def with_leading_unit_dim(self) -> ConvSpec:
+        """The same convolution with one more spatial dim in front, of extent 1 everywhere (a 1d conv as a 2d one
+        over rows of height 1): kernel 1, stride 1, no padding, dilation 1, output_padding 0 in the new dim."""
+        return replace(self, input_size=(1, *self.input_size), kernel_size=(1, *self.kernel_size),
+                       stride=(1, *self.stride), padding=((0, 0), *self.padding),
+                       dilation=(1, *self.dilation), output_padding=(0, *self.output_padding))
+
+    def with_merged_groups(self, merge: int) -> ConvSpec:
+        """The same operands as a convolution with ``merge`` consecutive groups merged into one, ``groups // merge``
+        groups: its weight is ``(C_out, merge * C_in/groups, *k)`` (transposed: ``(C_in, merge * C_out/groups, *k)``).
+        With block-diagonal weights it computes the same convolution.
+
+        Raises:
+            ValueError: merge does not divide groups.
+        """
+        if merge < 1 or self.groups % merge:
+            raise ValueError(f"{self.fn}: merge={merge} must divide groups={self.groups}")
+        return replace(self, groups=self.groups // merge)
 
     def macs(self) -> int:
         """Multiply-accumulates of the forward conv (= of each of its two gradients)."""

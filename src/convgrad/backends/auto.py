@@ -69,7 +69,7 @@ from convgrad.spec import ConvSpec
 __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
 
-CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm")  # those registered take part
+CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup")  # those registered take part
 FIXED_CHOICE = "native"
 MODES = ("tune", "fixed")
 
@@ -191,10 +191,12 @@ def _tunable(*tensors: torch.Tensor) -> bool:
     return all(plain(t) and t.device.type != "meta" for t in tensors)
 
 
-def _candidates(like: torch.Tensor) -> list[Backend]:
-    """The registered candidates that handle this dtype, native first."""
+def _candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
+    """The registered candidates that handle this dtype, native first; a backend with a ``can_serve(spec, like)``
+    rule takes part only where that rule says it can differ from native."""
     names = ["native", *(n for n in CANDIDATES if n != "native" and n in backend_names())]
-    return [b for b in map(get_backend, names) if not like.is_complex() or b.supports_complex]
+    return [b for b in map(get_backend, names) if (not like.is_complex() or b.supports_complex)
+            and getattr(b, "can_serve", lambda spec, like: True)(spec, like)]
 
 
 def _head(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -220,7 +222,7 @@ def _tune_both(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
     The options for both (each backend's own backward, and "split") are then decided on those times, a
     backend's backward that does not share work estimated as its two gradients in a row; the survivors are
     compared on the calls that follow (``Store.run``)."""
-    n, device, cands = spec.batch, grad_output.device, _candidates(grad_output)
+    n, device, cands = spec.batch, grad_output.device, _candidates(spec, grad_output)
     gi = {b.name: (lambda m, b=b: b.input_grad(_sub(spec, m), weight, _head(grad_output, m))) for b in cands}
     gw = {b.name: (lambda m, b=b: b.weight_grad(_sub(spec, m), _head(input, m), _head(grad_output, m))) for b in cands}
     own = {b.name: (lambda m, b=b: b.backward(_sub(spec, m), _head(grad_output, m), _head(input, m), weight, True,
@@ -305,7 +307,7 @@ class AutoBackend(Backend):
         if known is None:
             if not _tunable(grad_output, operand):
                 return call(get_backend(FIXED_CHOICE), spec, spec.batch)
-            options = {b.name: (lambda m, b=b: call(b, _sub(spec, m), m)) for b in _candidates(grad_output)}
+            options = {b.name: (lambda m, b=b: call(b, _sub(spec, m), m)) for b in _candidates(spec, grad_output)}
             known, out = _tune(options, spec.batch, grad_output.device)
             _choices.remember(key, known)
             if out is not None and not torch.is_grad_enabled():

@@ -39,7 +39,7 @@ from typing import Any
 
 __all__ = ["DEFAULT_BACKENDS", "add_arguments", "keep_malloc", "run"]
 
-DEFAULT_BACKENDS = ("fwdconv", "gemm", "auto")  # plus native, always; numpy is too slow to be useful here
+DEFAULT_BACKENDS = ("fwdconv", "gemm", "channels_last", "regroup", "auto")  # plus native, always; numpy: too slow
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
