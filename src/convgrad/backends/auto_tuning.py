@@ -99,7 +99,7 @@ class Choice:
 
 @dataclass
 class Screen:
-    """What a screening saw: per option its time scaled to the whole batch (s), the rejected, the probes."""
+    """What a screening saw: per option its time scaled to the whole batch (s), the rejected, the reference's probe."""
 
     times: dict[str, float] = field(default_factory=dict)
     rejected: tuple[str, ...] = ()
@@ -132,22 +132,23 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
     time each once.
 
     An option whose probe disagrees (or whose result is not finite while the reference's is) is rejected and not
-    timed. When the reference's own probe is not finite, only the reference is kept (nothing can be checked).
+    timed; a probe is dropped once compared, so the screening holds two results at most. When the reference's
+    own probe is not finite, only the reference is kept (nothing can be checked).
     """
     agree = agree or agrees
     n = screen_batch(batch) if on is None else on
     scale = batch / n if n else 1.0
     with torch.no_grad():
-        probes = {name: run(n) for name, run in options.items()}  # also the warm-up of the timed call
-        ref = probes[reference]
+        ref = options[reference](n)  # each probe is also the warm-up of its option's timed call
         if not _finite(ref):
             return Screen({}, (), {reference: ref}, n)
-        ok = [name for name in options if name == reference or agree(probes[name], ref)]
+        # one probe at a time beside the reference's: a per-sample option's result can be hundreds of MiB
+        ok = [name for name in options if name == reference or agree(options[name](n), ref)]
         times = {name: _timed(lambda r=options[name]: r(n), device)[1] * scale for name in ok}
         for name in ok:  # a call delayed by other load must not drop an option: those to be dropped run once more
             if times[name] > SCREEN_DROP * min(times.values()):
                 times[name] = min(times[name], _timed(lambda r=options[name]: r(n), device)[1] * scale)
-    return Screen(times, tuple(name for name in options if name not in ok), probes, n)
+    return Screen(times, tuple(name for name in options if name not in ok), {reference: ref}, n)
 
 
 def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected: tuple[str, ...] = (),
