@@ -119,7 +119,13 @@ def screen_batch(batch: int) -> int:
 
 
 def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = ()) -> set[str]:
-    """The options a cost model rules out: estimated over PRUNE_ESTIMATE times the cheapest (never those in keep)."""
+    """The options a cost model rules out: estimated over PRUNE_ESTIMATE times the cheapest (never those in keep).
+
+    Examples:
+        >>> from convgrad.backends.auto_tuning import prune
+        >>> sorted(prune({"ghost": 45.0, "unfold": 10.0, "conv": 30.0}))
+        ['ghost']
+    """
     if not estimates:
         return set()
     low = min(estimates.values())
@@ -158,6 +164,12 @@ def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected:
     Options over SCREEN_DROP times the best estimate are dropped, except those in ``keep``. The fastest estimated
     is chosen; when others survive, they are pending, to be compared on the calls that follow, the anchor (the
     incumbent if it survived, else the fastest) first.
+
+    Examples:
+        >>> from convgrad.backends.auto_tuning import decide
+        >>> c = decide(32, {"native": 3.0, "fwdconv": 1.0, "gemm": 2.5}, "native", keep=("native",))
+        >>> c.backend, c.pending
+        ('fwdconv', ('native', 'fwdconv'))
     """
     if not estimates or batch == 0:
         return Choice(incumbent, dict(estimates), rejected, batch)
@@ -177,7 +189,16 @@ def tune(options: Mapping[str, Run], batch: int, device: torch.device, reference
     ``reference`` is never pruned, checks the others and is never dropped by the screening: when it was not the
     fastest there, it stays among the options compared on the calls that follow, so that a slice that misranks
     the options cannot leave a choice slower than the reference. Returns the choice and, when the screening ran
-    on the whole batch, the chosen option's result (None otherwise: the caller runs it).
+    on the whole batch and chose the reference, its result (None otherwise: the caller runs the choice).
+
+    Examples:
+        >>> import torch
+        >>> from convgrad.backends.auto_tuning import tune
+        >>> x = torch.randn(64, 256)
+        >>> options = {"native": lambda n: x[:n] @ x[:n].T, "wrong": lambda n: torch.zeros(n, n)}
+        >>> choice, _ = tune(options, 64, torch.device("cpu"))
+        >>> choice.backend, choice.rejected
+        ('native', ('wrong',))
     """
     dropped = prune(estimates or {}, keep=(reference,))
     seen = screen({n: r for n, r in options.items() if n not in dropped}, batch, device, reference, agree, on)
@@ -247,6 +268,15 @@ class Exploration:
 
     Ask ``next()`` which option to run and whether to time it; report a timed call with ``record``, which
     returns the settled winner once there is one.
+
+    Examples:
+        >>> from convgrad.backends.auto_tuning import Exploration
+        >>> explore, seconds, settled = Exploration(("native", "gemm")), {"native": 1.0, "gemm": 0.5}, None
+        >>> while settled is None:
+        ...     name, timed = explore.next()
+        ...     settled = explore.record(name, seconds[name]) if timed else explore.skip()
+        >>> settled, explore.rounds
+        ('gemm', 1)
     """
 
     def __init__(self, pending: tuple[str, ...]) -> None:
