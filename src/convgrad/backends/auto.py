@@ -10,17 +10,18 @@ eighth, at least 4 samples): once as a probe checked against native (one that di
 chosen), once timed. Those over 2x the fastest there are dropped, native never: a slice can
 misrank the options (per-sample speeds move with the batch), so native always takes part in
 what follows. The fastest runs from then on; when others survived, the calls that follow
-compare them on the whole batch, each in turn twice
-in a row, the second call timed and paired with the anchor's (native, if it survived) in the
-same round, until a clear call (3 rounds, or fewer when one is 25% behind after one round)
-or up to 7 rounds for a close one. The winner is the anchor unless another beats it by more
-than ``PREFER_NATIVE`` (3%, about the noise of one tuning) in the median of those ratios.
+compare them on the whole batch, each in turn twice in a row, the second call timed and paired
+with the anchor's (native, if it survived) in the same round, until a clear call (3 rounds, or
+fewer when one is 25% behind after one round) or up to 7 rounds for a close one. The winner is
+the anchor unless another beats it by more than ``PREFER_NATIVE`` (3%, about the noise of one
+tuning) in the median of those ratios.
 When both gradients are wanted, the options are each backend's own backward for both, which may
 share work (native's aten.convolution_backward, gemm's columns), and the two per-gradient
 fastest one after the other ("split", when they differ), which must beat every backend by
 ``SPLIT_MARGIN`` (5%). One tuning screens each gradient and, where a backend shares work, its own
 backward; when one backend was fastest for each gradient, it is the anchor instead of native.
-Every call computes a real result, so the comparison costs no extra calls.
+Every call computes a real result, so the comparison costs no extra calls. The per-sample
+methods (``convgrad.per_sample.tuning``) are chosen by the same tuner, mode, cache and buckets.
 
 The cost of the first call: the screening, two calls of every option on the slice (for both
 gradients: each backend's grad_input and grad_weight, and the own backward of native and gemm),

@@ -99,7 +99,7 @@ class Choice:
 
 @dataclass
 class Screen:
-    """What a screening saw: per option its time scaled to the whole batch (s), the rejected, the probes."""
+    """What a screening saw: per option its time scaled to the whole batch (s), the rejected, the reference's probe."""
 
     times: dict[str, float] = field(default_factory=dict)
     rejected: tuple[str, ...] = ()
@@ -119,7 +119,13 @@ def screen_batch(batch: int) -> int:
 
 
 def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = ()) -> set[str]:
-    """The options a cost model rules out: estimated over PRUNE_ESTIMATE times the cheapest (never those in keep)."""
+    """The options a cost model rules out: estimated over PRUNE_ESTIMATE times the cheapest (never those in keep).
+
+    Examples:
+        >>> from convgrad.backends.auto_tuning import prune
+        >>> sorted(prune({"ghost": 45.0, "unfold": 10.0, "conv": 30.0}))
+        ['ghost']
+    """
     if not estimates:
         return set()
     low = min(estimates.values())
@@ -132,22 +138,23 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
     time each once.
 
     An option whose probe disagrees (or whose result is not finite while the reference's is) is rejected and not
-    timed. When the reference's own probe is not finite, only the reference is kept (nothing can be checked).
+    timed; a probe is dropped once compared, so the screening holds two results at most. When the reference's
+    own probe is not finite, only the reference is kept (nothing can be checked).
     """
     agree = agree or agrees
     n = screen_batch(batch) if on is None else on
     scale = batch / n if n else 1.0
     with torch.no_grad():
-        probes = {name: run(n) for name, run in options.items()}  # also the warm-up of the timed call
-        ref = probes[reference]
+        ref = options[reference](n)  # each probe is also the warm-up of its option's timed call
         if not _finite(ref):
             return Screen({}, (), {reference: ref}, n)
-        ok = [name for name in options if name == reference or agree(probes[name], ref)]
+        # one probe at a time beside the reference's: a per-sample option's result can be hundreds of MiB
+        ok = [name for name in options if name == reference or agree(options[name](n), ref)]
         times = {name: _timed(lambda r=options[name]: r(n), device)[1] * scale for name in ok}
         for name in ok:  # a call delayed by other load must not drop an option: those to be dropped run once more
             if times[name] > SCREEN_DROP * min(times.values()):
                 times[name] = min(times[name], _timed(lambda r=options[name]: r(n), device)[1] * scale)
-    return Screen(times, tuple(name for name in options if name not in ok), probes, n)
+    return Screen(times, tuple(name for name in options if name not in ok), {reference: ref}, n)
 
 
 def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected: tuple[str, ...] = (),
@@ -157,6 +164,12 @@ def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected:
     Options over SCREEN_DROP times the best estimate are dropped, except those in ``keep``. The fastest estimated
     is chosen; when others survive, they are pending, to be compared on the calls that follow, the anchor (the
     incumbent if it survived, else the fastest) first.
+
+    Examples:
+        >>> from convgrad.backends.auto_tuning import decide
+        >>> c = decide(32, {"native": 3.0, "fwdconv": 1.0, "gemm": 2.5}, "native", keep=("native",))
+        >>> c.backend, c.pending
+        ('fwdconv', ('native', 'fwdconv'))
     """
     if not estimates or batch == 0:
         return Choice(incumbent, dict(estimates), rejected, batch)
@@ -176,7 +189,16 @@ def tune(options: Mapping[str, Run], batch: int, device: torch.device, reference
     ``reference`` is never pruned, checks the others and is never dropped by the screening: when it was not the
     fastest there, it stays among the options compared on the calls that follow, so that a slice that misranks
     the options cannot leave a choice slower than the reference. Returns the choice and, when the screening ran
-    on the whole batch, the chosen option's result (None otherwise: the caller runs it).
+    on the whole batch and chose the reference, its result (None otherwise: the caller runs the choice).
+
+    Examples:
+        >>> import torch
+        >>> from convgrad.backends.auto_tuning import tune
+        >>> x = torch.randn(64, 256)
+        >>> options = {"native": lambda n: x[:n] @ x[:n].T, "wrong": lambda n: torch.zeros(n, n)}
+        >>> choice, _ = tune(options, 64, torch.device("cpu"))
+        >>> choice.backend, choice.rejected
+        ('native', ('wrong',))
     """
     dropped = prune(estimates or {}, keep=(reference,))
     seen = screen({n: r for n, r in options.items() if n not in dropped}, batch, device, reference, agree, on)
@@ -246,6 +268,15 @@ class Exploration:
 
     Ask ``next()`` which option to run and whether to time it; report a timed call with ``record``, which
     returns the settled winner once there is one.
+
+    Examples:
+        >>> from convgrad.backends.auto_tuning import Exploration
+        >>> explore, seconds, settled = Exploration(("native", "gemm")), {"native": 1.0, "gemm": 0.5}, None
+        >>> while settled is None:
+        ...     name, timed = explore.next()
+        ...     settled = explore.record(name, seconds[name]) if timed else explore.skip()
+        >>> settled, explore.rounds
+        ('gemm', 1)
     """
 
     def __init__(self, pending: tuple[str, ...]) -> None:
