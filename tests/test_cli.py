@@ -20,7 +20,10 @@ ABSENT_CUDA = "cuda:99" if torch.cuda.is_available() else "cuda"  # a device thi
 
 def _convgrad(*args: str, cwd: Path | None = None, stdout: Any = subprocess.PIPE,
               program: tuple[str, ...] = (sys.executable, "-m", "convgrad")) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*program, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=cwd, timeout=600)
+    # GNU readline, which pytest loads, exports COLUMNS=80 to children; a user's pipe has no COLUMNS
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    return subprocess.run([*program, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=cwd, timeout=600,
+                          env=env)
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess[str], command: str, message: str) -> None:
