@@ -83,10 +83,8 @@ def test_user_errors_are_one_line_and_exit_2(command: str, argv: list[str], mess
     _assert_one_line_error(proc, command, message)
 
 
-def test_model_in_the_current_directory_with_the_console_script(model_dir: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_in_the_current_directory_with_the_console_script(model_dir: Path) -> None:
     """The `convgrad` script does not put the cwd on sys.path; `--model mymodels:small_cnn` must still import."""
-    monkeypatch.setenv("COLUMNS", "240")  # every backend's column whole, its name included
     script = Path(sys.executable).with_name("convgrad")
     if not script.exists():
         pytest.skip("the convgrad console script is not installed next to this interpreter")
