@@ -434,6 +434,36 @@ def test_a_parameter_shared_by_two_modules_counts_once() -> None:
     assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, "shared weight")
 
 
+class KeywordInput(nn.Module):
+    """A conv and a Linear called as module(input=x): forward pre-hooks without kwargs see no positional args."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(2, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 5 * 5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(input=torch.tanh(self.c(input=x)).flatten(1))
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_modules_called_with_a_keyword_input_keep_their_per_sample_gradients(norms_only: bool) -> None:
+    """Regression: module(input=x) used to leave that module's parameters out of every norm, silently."""
+    torch.manual_seed(9)
+    model = KeywordInput().to(DT)
+    x = torch.randn(4, 2, 5, 5, dtype=DT)
+    ref = _model_references(model, x, use_vmap=False)[0]
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    factors = (float(norms.median()) / (norms + 1e-6)).clamp(max=1.0)
+    model.zero_grad()
+    with cg.PerSampleGrads(model, norms_only=norms_only) as psg:
+        _loss(model(x), "sum").backward()
+    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+    psg.clip_and_accumulate(float(norms.median()))
+    expected = {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}
+    assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, "keyword input")
+
+
 def test_data_parallel_is_refused() -> None:
     with pytest.raises(TypeError, match=r"the model itself is a torch\.nn\.DataParallel"):
         cg.PerSampleGrads(nn.DataParallel(nn.Linear(2, 2)))

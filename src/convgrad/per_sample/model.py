@@ -193,7 +193,8 @@ class PerSampleGrads:
         # the sample-mixing checks are registered first, so they run before any parameter is swapped
         self._handles = [m.register_forward_pre_hook(self._check_mixing) for m in self._mixing]
         self._handles += [h for m in self._rules for h in (m.register_forward_pre_hook(self._pre_hook),
-                                                              m.register_forward_hook(self._forward_hook))]
+                                                              m.register_forward_hook(self._forward_hook,
+                                                                                      with_kwargs=True))]
         if self._ddp is not None:
             self._no_sync.enter_context(self._ddp.no_sync())
         return self
@@ -237,11 +238,16 @@ class PerSampleGrads:
         module._parameters.update(self._trainable[module])
         return self._trainable[module]
 
-    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         params = self._restore(module)
-        if not params or not isinstance(output, torch.Tensor) or not args:
+        if not params:
             return None
-        callback = functools.partial(self._backward, module, args[0].detach(), list(params))
+        x = args[0] if args else kwargs.get("input")  # module(input=x) passes it as a keyword
+        if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+            raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) was called "
+                             f"without a tensor input (args {len(args)}, keywords {sorted(kwargs)}) or returned "
+                             f"{type(output).__name__}; its per-sample gradients need module(input) -> Tensor")
+        callback = functools.partial(self._backward, module, x.detach(), list(params))
         return _Tap.apply(callback, output, *params.values())
 
     def _remember_grads(self, params: list[nn.Parameter]) -> None:
