@@ -464,6 +464,40 @@ def test_modules_called_with_a_keyword_input_keep_their_per_sample_gradients(nor
     assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, "keyword input")
 
 
+class DirectUse(nn.Module):
+    """A conv's weight used by F.conv2d outside the conv's forward, and a weight penalty in the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(2, 3, 3)
+        self.fc = nn.Linear(3 * 3 * 3, 2)
+
+    def forward(self, x: torch.Tensor, direct: bool) -> torch.Tensor:
+        h = F.conv2d(x, self.c.weight, self.c.bias) if direct else self.c(x)
+        return self.fc(torch.tanh(h).flatten(1))
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_a_gradient_from_outside_the_modules_forward_is_refused_not_left_out(norms_only: bool) -> None:
+    """Regression: such a gradient went into .grad unclipped, or was dropped, and no norm included it."""
+    torch.manual_seed(10)
+    model = DirectUse().to(DT)
+    x = torch.randn(3, 2, 5, 5, dtype=DT)
+    with pytest.raises(ValueError, match=r"parameter 'c\.weight' received a gradient from outside its module"), \
+            cg.PerSampleGrads(model, norms_only=norms_only):
+        _loss(model(x, direct=True), "sum").backward()
+    with pytest.raises(ValueError, match=r"parameter 'fc\.weight' received a gradient from outside"), \
+            cg.PerSampleGrads(model, norms_only=norms_only):
+        (_loss(model(x, direct=False), "sum") + model.fc.weight.square().sum()).backward()
+    model.zero_grad()
+    with cg.PerSampleGrads(model, norms_only=norms_only) as psg:  # the module's own forward: accepted, right
+        _loss(model(x, direct=False), "sum").backward()
+    grads = [torch.autograd.grad(_loss(model(x[i:i + 1], direct=False), "sum"), list(model.parameters()))
+             for i in range(3)]
+    norms = torch.stack([torch.cat([g.flatten() for g in gs]).norm() for gs in grads])
+    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+
+
 def test_data_parallel_is_refused() -> None:
     with pytest.raises(TypeError, match=r"the model itself is a torch\.nn\.DataParallel"):
         cg.PerSampleGrads(nn.DataParallel(nn.Linear(2, 2)))

@@ -122,7 +122,8 @@ class PerSampleGrads:
         ValueError: an unknown loss_reduction; a module with trainable parameters and no rule (its name and
             type are in the message). At a forward inside the context: a BatchNorm that normalises with the
             batch's statistics; the forward runs inside a DistributedDataParallel that synchronises gradients
-            (the model given was its inner module).
+            (the model given was its inner module). During the backward: a gradient that reaches a parameter
+            from outside its module's forward (``F.conv2d(x, conv.weight)``, a weight penalty in the loss).
 
     Source: docs/per_sample.md; Opacus's GradSampleModule (grad_sample's definition) and DistributedDPOptimizer
     (clipping before the all-reduce); Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
@@ -195,6 +196,9 @@ class PerSampleGrads:
         self._handles += [h for m in self._rules for h in (m.register_forward_pre_hook(self._pre_hook),
                                                               m.register_forward_hook(self._forward_hook,
                                                                                       with_kwargs=True))]
+        # a gradient that reaches a Parameter through autograd did not come through its module's forward
+        self._handles += [p.register_hook(functools.partial(self._direct_use, p)) for p in self._params()
+                          if p.requires_grad]  # frozen since __init__: no gradient to watch
         if self._ddp is not None:
             self._no_sync.enter_context(self._ddp.no_sync())
         return self
@@ -250,6 +254,18 @@ class PerSampleGrads:
         callback = functools.partial(self._backward, module, x.detach(), list(params))
         return _Tap.apply(callback, output, *params.values())
 
+    def _direct_use(self, param: nn.Parameter, grad: torch.Tensor | None) -> None:
+        """Hook on every trainable parameter: inside its module's forward it is swapped for a detached alias and _Tap
+        hands autograd no gradient for it, so any gradient autograd brings comes from a use outside that forward."""
+        if grad is None:
+            return
+        name = next(f"{'' if m is self.model else self._names[m] + '.'}{k}" for m, ps in self._trainable.items()
+                    for k, p in ps.items() if p is param)
+        raise ValueError(f"PerSampleGrads: parameter {name!r} received a gradient from outside its module's forward "
+                         f"(used directly, as in F.conv2d(x, conv.weight), or in a loss term such as a weight "
+                         f"penalty); no per-sample gradient can include that use, so its norms and clipped sum would "
+                         f"be wrong. Call the module itself, and apply weight decay through the optimizer")
+
     def _remember_grads(self, params: list[nn.Parameter]) -> None:
         """Keep .grad as it was before this context's backward, for clip_and_accumulate to add to."""
         adds = not self.norms_only and self._ddp is None  # the backward then adds to .grad, possibly in place
@@ -267,9 +283,13 @@ class PerSampleGrads:
             for k, g in grads.items():
                 p = self._trainable[module][k]
                 p.grad_sample = g if getattr(p, "grad_sample", None) is None else p.grad_sample + g  # type: ignore
-            if self._ddp is not None:  # this rank's sum alone would be a wrong .grad; clip_and_accumulate reduces
-                return [None] * len(names)
-            return [grads[k].sum(0).div_(scale) if k in grads else None for k in names]
+            if self._ddp is None:  # under DDP this rank's sum alone would be a wrong .grad: clip_and_accumulate
+                for k in names:  # the sum, added here as autograd would (autograd gets none, see _direct_use)
+                    if k in grads:
+                        p = self._trainable[module][k]
+                        g = grads[k].sum(0).div_(scale).to(p.dtype)  # (*param.shape)
+                        p.grad = g if p.grad is None else p.grad.add_(g)
+            return [None] * len(names)
         rec = self._records.setdefault(module, _Record())
         rec.calls += 1
         if rec.calls > 1:  # a second call (or backward): norms do not add, gradients do
