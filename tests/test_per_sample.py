@@ -498,6 +498,49 @@ def test_a_gradient_from_outside_the_modules_forward_is_refused_not_left_out(nor
     torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
 
 
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_an_unbatched_input_is_one_sample_under_a_mean_loss(norms_only: bool) -> None:
+    """Regression: with loss_reduction="mean", an unbatched input was scaled by its first dim (C_in), not 1."""
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Conv2d(3, 2, 3), nn.Tanh(), nn.Flatten(0), nn.Linear(2 * 4 * 4, 2)).to(DT)
+    x = torch.randn(3, 6, 6, dtype=DT)  # (C, H, W): one sample
+    ref = dict(zip([k for k, _ in model.named_parameters()],
+                   torch.autograd.grad(model(x).square().sum(), list(model.parameters())), strict=True))
+    norm = torch.cat([g.flatten() for g in ref.values()]).norm()
+    model.zero_grad()
+    with cg.PerSampleGrads(model, loss_reduction="mean", norms_only=norms_only) as psg:
+        model(x).square().sum().backward()
+    torch.testing.assert_close(psg.norms(), norm.reshape(1), **TOL[DT])
+    if not norms_only:
+        assert_matches_autograd({k: p.grad_sample[0] for k, p in model.named_parameters()}, ref, DT, "unbatched")
+        assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, ref, DT, "unbatched .grad")
+    model.zero_grad()
+    psg.clip_and_accumulate(float(norm) / 2)
+    factor = float(norm) / 2 / (norm + 1e-6)  # Opacus's factor: about 1/2
+    assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, {k: g * factor for k, g in ref.items()},
+                            DT, "unbatched clipped")
+
+
+def test_a_module_called_on_part_of_the_batch_is_refused() -> None:
+    """Regression: per-sample results of batch 4 and batch 1 broadcast into a wrong sum."""
+    conv = nn.Conv2d(2, 2, 3, padding=1).to(DT)
+    x = torch.randn(4, 2, 5, 5, dtype=DT)
+    for norms_only in (False, True):
+        with pytest.raises(ValueError, match=r"'\(the model itself\)' \(Conv2d\) saw a batch of 4 samples "
+                                             r"along dim 0, but another call of it saw 1"), \
+                cg.PerSampleGrads(conv, norms_only=norms_only):
+            (conv(x).sum() + conv(x[:1]).sum()).backward()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("wrap", [nn.utils.spectral_norm, nn.utils.weight_norm])
+def test_a_reparametrised_weight_is_refused_by_name(wrap) -> None:
+    """Regression: spectral_norm and weight_norm (hook style) failed inside the backward with KeyError: 'weight'."""
+    model = nn.Sequential(wrap(nn.Conv2d(2, 2, 3)))
+    with pytest.raises(ValueError, match=r"module '0' \(Conv2d\) has trainable parameters \['weight_"):
+        cg.PerSampleGrads(model)
+
+
 def test_data_parallel_is_refused() -> None:
     with pytest.raises(TypeError, match=r"the model itself is a torch\.nn\.DataParallel"):
         cg.PerSampleGrads(nn.DataParallel(nn.Linear(2, 2)))

@@ -120,10 +120,12 @@ class PerSampleGrads:
         TypeError: model is not an nn.Module, norms_only not a bool; the model contains a DataParallel, an FSDP
             module or a DistributedDataParallel other than the model itself.
         ValueError: an unknown loss_reduction; a module with trainable parameters and no rule (its name and
-            type are in the message). At a forward inside the context: a BatchNorm that normalises with the
+            type are in the message), or a trainable parameter its rule does not know (spectral_norm's
+            weight_orig). At a forward inside the context: a BatchNorm that normalises with the
             batch's statistics; the forward runs inside a DistributedDataParallel that synchronises gradients
             (the model given was its inner module). During the backward: a gradient that reaches a parameter
-            from outside its module's forward (``F.conv2d(x, conv.weight)``, a weight penalty in the loss).
+            from outside its module's forward (``F.conv2d(x, conv.weight)``, a weight penalty in the loss); a
+            module called on another number of samples than the first one (part of the batch).
 
     Source: docs/per_sample.md; Opacus's GradSampleModule (grad_sample's definition) and DistributedDPOptimizer
     (clipping before the all-reduce); Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
@@ -167,6 +169,12 @@ class PerSampleGrads:
                 raise ValueError(f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
                                  f"{trainable} but no per-sample rule; supported: {_SUPPORTED}. Freeze it with "
                                  f"requires_grad_(False) or replace it")
+            unknown = [k for k in trainable if k not in rule.PARAMS]
+            if unknown:
+                raise ValueError(f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
+                                 f"{unknown} that its per-sample rule does not know (rule parameters: "
+                                 f"{list(rule.PARAMS)}); a reparametrisation such as spectral_norm or weight_norm "
+                                 f"computes the weight from them, which the rule cannot follow")
             self._rules[module] = rule
             self._trainable[module] = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
         self._mixing = [m for m in self._names if isinstance(m, SAMPLE_MIXING)]
@@ -176,6 +184,7 @@ class PerSampleGrads:
         self._records: dict[nn.Module, _Record] = {}
         self._before: dict[int, torch.Tensor | None] = {}  # id(param) -> .grad before this context's backward
         self._no_sync = contextlib.ExitStack()
+        self._batch: tuple[int, nn.Module] | None = None  # the first module's batch size, and that module
 
     def _check_tied(self, fn: str) -> None:
         """norms_only keeps one squared norm per module, which cannot add up a parameter shared by two."""
@@ -214,7 +223,7 @@ class PerSampleGrads:
 
     def clear(self) -> None:
         """Forget every per-sample result: ``.grad_sample = None`` and no norms (called on entering)."""
-        self._records, self._before = {}, {}
+        self._records, self._before, self._batch = {}, {}, None
         for p in self._params():
             p.grad_sample = None  # type: ignore[attr-defined]
 
@@ -278,6 +287,8 @@ class PerSampleGrads:
         self._remember_grads([self._trainable[module][k] for k in names])
         scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
         layer = self._rules[module](module, x, grad_output.detach(), scale)
+        self._check_batch(module, layer.x.shape[0])
+        scale = layer.scale  # 1 for an unbatched input: one sample
         if not self.norms_only:
             grads = layer.grads()
             for k, g in grads.items():
@@ -304,6 +315,20 @@ class PerSampleGrads:
                 rec.sq = layer.ghost_sq_norms() if how == "ghost" else layer.materialised_sq_norms()
                 rec.layer = layer
         return [None] * len(names)
+
+    def _check_batch(self, module: nn.Module, n: int) -> None:
+        """Every supported module must see the same samples along dim 0: per-sample results of different batch
+        sizes cannot be added (they would broadcast silently)."""
+        if self._batch is None:
+            self._batch = (n, module)
+        elif n != self._batch[0]:
+            first = self._batch[1]
+            other = "another call of it" if first is module else \
+                f"module {self._names[first]!r} ({type(first).__name__})"
+            raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) saw a batch "
+                             f"of {n} samples along dim 0, but {other} saw {self._batch[0]}; every supported module "
+                             f"must be called on the whole batch, batch first (not on a part of it, nor with the "
+                             f"batch folded into another dim)")
 
     # ---- results --------------------------------------------------------------------------------
     def _per_sample(self) -> list[tuple[nn.Module, Grads | None, Layer | None, torch.Tensor | None]]:

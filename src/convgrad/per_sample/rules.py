@@ -40,6 +40,7 @@ class Layer:
     """One call of a module, captured for its per-sample gradients."""
 
     ghost_cheaper = False  # a ghost norm costs fewer MACs than materialising
+    PARAMS = ("weight", "bias")  # the parameter names the rule computes gradients for
 
     def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
         self.module, self.x, self.gy, self.scale = module, input, grad_output, scale
@@ -122,8 +123,8 @@ class ConvLayer(Layer):
     def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
         m: nn.modules.conv._ConvNd = module  # type: ignore[assignment]
         nd = len(m.kernel_size)
-        if input.dim() == nd + 1:  # unbatched: one sample
-            input, grad_output = input.unsqueeze(0), grad_output.unsqueeze(0)  # (1, C, *spatial)
+        if input.dim() == nd + 1:  # unbatched: one sample, whose "mean" loss is its own (scale 1, not C_in)
+            input, grad_output, scale = input.unsqueeze(0), grad_output.unsqueeze(0), 1.0  # (1, C, *spatial)
         fn = f"PerSampleGrads({type(m).__name__})"
         w = tuple(m.weight.shape)
         if m.transposed:
@@ -215,8 +216,8 @@ class LinearLayer(Layer):
     """nn.Linear on (N, *, in): the dims between batch and features are positions P."""
 
     def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
-        if input.dim() == 1:  # unbatched: one sample
-            input, grad_output = input.unsqueeze(0), grad_output.unsqueeze(0)  # (1, in), (1, out)
+        if input.dim() == 1:  # unbatched: one sample, whose "mean" loss is its own (scale 1, not in_features)
+            input, grad_output, scale = input.unsqueeze(0), grad_output.unsqueeze(0), 1.0  # (1, in), (1, out)
         super().__init__(module, input, grad_output, scale)
         n, d_in, d_out = input.shape[0], input.shape[-1], grad_output.shape[-1]
         p = math.prod(input.shape[1:-1])  # not -1 in the reshapes: batch 0 leaves it undetermined
