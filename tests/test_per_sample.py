@@ -607,6 +607,46 @@ def test_clip_options_agree_and_storing_is_offered_only_within_the_memory_rule(s
         torch.testing.assert_close(summed, gw.sum(0), **TOL[DT], msg=name)
 
 
+def test_clip_options_run_in_a_lower_precision_dtype() -> None:
+    """Regression: the Book-Keeping option multiplied grad_output by float32 ones on the CPU (a dtype mismatch in
+    bfloat16/float16, a device mismatch on CUDA)."""
+    from convgrad.per_sample import tuning
+
+    spec = cg.ConvSpec.from_shapes((5, 4, 7, 7), (6, 4, 3, 3), 1, 1)
+    x, y = torch.randn(spec.input_shape, dtype=DT), torch.randn(spec.output_shape, dtype=DT)
+    gw = methods.weight_grad(spec, x, y, "unfold")
+    for name, run in tuning.options(spec, x.bfloat16(), y.bfloat16(), "clip", True).items():
+        sq, summed = run(5)
+        assert summed.dtype == torch.bfloat16, name
+        assert (summed.double() - gw.sum(0)).norm() <= 2e-2 * gw.sum(0).norm(), name  # bfloat16: 8 bits
+        sq_ref = gw.flatten(1).square().sum(1)
+        assert (sq.double() - sq_ref).abs().max() <= 4e-2 * sq_ref.max(), name
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_autocast_gives_float32_gradients_close_to_float32(tuned: None, norms_only: bool) -> None:
+    """Under torch.autocast the input arrives in float32 and grad_output in bfloat16: the rules run in bfloat16 (as
+    Opacus's do) and .grad keeps the parameter's dtype."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.Flatten(), nn.Linear(8 * 4 * 4, 2))
+    x = torch.randn(6, 3, 6, 6)
+    results = []
+    for autocast in (False, True):
+        model.zero_grad()
+        with cg.PerSampleGrads(model, norms_only=norms_only) as psg, \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(x).float().square().sum().backward()
+        norms = psg.norms()
+        model.zero_grad()
+        psg.clip_and_accumulate(1.0)
+        results.append((norms, [p.grad.clone() for p in model.parameters()]))
+    (ref_norms, ref), (norms, grads) = results
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert ((norms - ref_norms).abs() <= 5e-2 * ref_norms).all()
+    for g, r in zip(grads, ref, strict=True):
+        assert (g - r).norm() <= 5e-2 * r.norm()
+
+
 def test_norms_only_clips_per_the_measured_plan_and_matches(tuned: None) -> None:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=2),

@@ -286,6 +286,7 @@ class PerSampleGrads:
                   grad_output: torch.Tensor) -> list[torch.Tensor | None]:
         self._remember_grads([self._trainable[module][k] for k in names])
         scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
+        x = x if x.dtype == grad_output.dtype else x.to(grad_output.dtype)  # autocast: the input's own dtype
         layer = self._rules[module](module, x, grad_output.detach(), scale)
         self._check_batch(module, layer.x.shape[0])
         scale = layer.scale  # 1 for an unbatched input: one sample
@@ -402,6 +403,6 @@ class PerSampleGrads:
         if self._ddp is not None:
             distributed.all_reduce_sum(sums, self._ddp.process_group)
         for p, g in zip(params, sums, strict=True):
-            before = self._before.get(id(p), p.grad)
+            before, g = self._before.get(id(p), p.grad), g.to(p.dtype)  # autocast: the parameter's dtype
             p.grad = g if before is None else before + g
         return norms

@@ -99,7 +99,8 @@ def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str,
 
     def book_keeping(s: ConvSpec, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         inp, gy = (ys, xs) if s.transposed else (xs, ys)
-        return get_backend("native").weight_grad(s, inp, gy * torch.ones(s.batch, *(1,) * (gy.dim() - 1)))
+        ones = gy.new_ones(s.batch, *(1,) * (gy.dim() - 1))  # gy's dtype and device (autocast, CUDA)
+        return get_backend("native").weight_grad(s, inp, gy * ones)
 
     def run(name: str, n: int) -> object:
         s, xs, ys = sub(n)
@@ -108,7 +109,7 @@ def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str,
             return methods.weight_grad(s, xs, ys, method)
         if kept:
             gw = methods.weight_grad(s, xs, ys, method)
-            return methods.sq_norms(gw), torch.tensordot(torch.ones(n, dtype=gw.dtype), gw, dims=1)
+            return methods.sq_norms(gw), torch.tensordot(gw.new_ones(n), gw, dims=1)
         sq = methods.ghost_sq_norms(s, xs, ys) if method == "ghost" else methods.materialised_sq_norms(s, xs, ys,
                                                                                                           method)
         return (sq, book_keeping(s, xs, ys)) if purpose == "clip" else sq
