@@ -683,6 +683,74 @@ def test_layers_of_one_shape_share_one_per_sample_tuning(tuned: None, monkeypatc
         assert len(seen) == 1, layers  # one "clip" tuning, whatever the number of layers of that shape
 
 
+def test_fixed_mode_takes_the_cost_model_and_times_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from convgrad.backends import auto
+    from convgrad.per_sample import tuning
+
+    monkeypatch.setattr(tuning, "_tune", lambda *a: pytest.fail("timed in fixed mode"))
+    auto.clear()
+    with auto.tuning_mode("fixed"):
+        for spec in (cg.ConvSpec.from_shapes((4, 8, 16, 16), (8, 8, 3, 3), 1, 1),  # materialise: unfold
+                     cg.ConvSpec.from_shapes((4, 64, 2, 2), (64, 64, 3, 3), 1, 1),  # ghost is cheaper
+                     cg.ConvSpec.from_shapes((4, 8, 9, 9), (8, 1, 3, 3), groups=8)):  # depthwise: conv
+            x, y = torch.randn(spec.input_shape), torch.randn(spec.output_shape)
+            grads, norms = methods.choose_method(spec, norms=False), methods.choose_method(spec, norms=True)
+            assert tuning.method_for(spec, x, y, "grads") == grads
+            assert tuning.method_for(spec, x, y, "norms") == norms
+            assert tuning.method_for(spec, x, y, "clip", store=False) == norms
+            stored = norms if norms == "ghost" else f"{norms}+store"
+            assert tuning.method_for(spec, x, y, "clip", store=True) == stored
+            assert tuning.chosen(spec, "grads", x) is None  # nothing remembered either
+
+
+def test_batches_of_one_bucket_share_one_per_sample_tuning(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from convgrad.per_sample import tuning
+
+    seen: list[int] = []
+    real = tuning._tune
+    monkeypatch.setattr(tuning, "_tune", lambda spec, *a: seen.append(spec.batch) or real(spec, *a))
+    for n in (5, 7, 8, 9):  # buckets 8, 8, 8, 16 (Poisson sampling draws a new batch size every step)
+        x, gy = torch.randn(n, 4, 6, 6, dtype=DT), torch.randn(n, 4, 6, 6, dtype=DT)
+        cg.per_sample_grad_norms(x, (4, 4, 3, 3), gy, padding=1)
+    assert seen == [5, 9]
+
+
+def test_storing_per_sample_gradients_for_the_clip_is_allowed_only_within_the_memory_rule(
+        tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ConvLayer lets "clip" store the per-sample gradients only where they take no more memory than the
+    (input, grad_output) that one more weight-gradient pass would keep."""
+    from convgrad.per_sample import tuning
+
+    asked: list[tuple[int, bool]] = []
+    real = tuning.method_for
+    monkeypatch.setattr(tuning, "method_for", lambda spec, x, y, purpose, store=False: (
+        asked.append((spec.x_channels, store)) if purpose == "clip" else None) or real(spec, x, y, purpose, store))
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1),  # 38 entries per sample against 2·256 + 2·256 kept: store
+                          nn.Conv2d(2, 64, 3, padding=1, stride=8),  # 1216 per sample against 2·256 + 64·4 kept: no
+                          nn.Flatten(), nn.Linear(64 * 2 * 2, 2)).to(DT)
+    with cg.PerSampleGrads(model, norms_only=True):
+        model(torch.randn(3, 2, 16, 16, dtype=DT)).sum().backward()
+    assert asked == [(2, False), (2, True)], asked  # the backward reaches the second conv first
+
+
+def test_per_sample_choices_persist_in_autos_cache_file(tuned: None, tmp_path, monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    import json
+
+    from convgrad.backends import auto
+    from convgrad.per_sample import tuning
+
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", str(path))
+    x, gy = torch.randn(8, 4, 6, 6, dtype=DT), torch.randn(8, 4, 6, 6, dtype=DT)
+    cg.per_sample_grad_norms(x, (4, 4, 3, 3), gy, padding=1)
+    keys = [k for k in json.loads(path.read_text())["choices"] if k.startswith("per_sample|")]
+    assert len(keys) == 1 and "|norms|" in keys[0]
+    auto.clear()  # a new process: the choice comes from the file
+    monkeypatch.setattr(tuning, "_tune", lambda *a: pytest.fail("tuned although the cache file has the choice"))
+    cg.per_sample_grad_norms(x, (4, 4, 3, 3), gy, padding=1)
+
+
 def test_scratch_columns_are_reused_but_results_never_alias() -> None:
     spec = cg.ConvSpec.from_shapes((3, 4, 6, 6), (5, 4, 3, 3), 1, 1)
     x, y = torch.randn(spec.input_shape), torch.randn(spec.output_shape)
