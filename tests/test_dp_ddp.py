@@ -118,6 +118,12 @@ def _refusals(ddp: nn.Module, x: torch.Tensor) -> dict[str, str]:
         cg.PerSampleGrads(nn.Sequential(ddp))
     except TypeError as err:
         out["nested"] = str(err)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:  # its reducer fails an internal assert in a backward under no_sync()
+        cg.PerSampleGrads(DDP(_model(), static_graph=True))
+    except TypeError as err:
+        out["static_graph"] = str(err)
     return out
 
 
@@ -186,3 +192,4 @@ def test_what_per_sample_grads_cannot_handle_under_ddp_is_refused(ranks: tuple[l
     assert "inside a DistributedDataParallel module that all-reduces" in refusals["inner"]
     assert "PerSampleGrads(ddp_model)" in refusals["inner"]
     assert "module '0' is a DistributedDataParallel inside the model" in refusals["nested"]
+    assert "built with static_graph=True" in refusals["static_graph"]

@@ -32,7 +32,7 @@ def as_ddp(model: nn.Module) -> nn.Module | None:
 
 
 def refuse_wrappers(fn: str, model: nn.Module) -> None:
-    """Raise TypeError for a DataParallel, an FSDP module or a DDP nested inside the model."""
+    """Raise TypeError for a DataParallel, an FSDP module, a DDP nested inside the model or built with static_graph."""
     ddp = _ddp_class()
     loaded = sys.modules.get("torch.distributed.fsdp")  # not imported: no module can be FSDP (importing costs ~1 s)
     fsdp = tuple(getattr(loaded, k) for k in ("FullyShardedDataParallel", "FSDPModule") if hasattr(loaded, k))
@@ -44,6 +44,10 @@ def refuse_wrappers(fn: str, model: nn.Module) -> None:
         if ddp is not None and isinstance(m, ddp) and m is not model:
             raise TypeError(f"{fn}: {what} is a DistributedDataParallel inside the model; pass the "
                             f"DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
+        if ddp is not None and m is model and isinstance(m, ddp) and getattr(m, "static_graph", False):
+            raise TypeError(f"{fn}: the DistributedDataParallel was built with static_graph=True, whose reducer "
+                            f"cannot run a backward under no_sync() (an internal assert in torch), and PerSampleGrads "
+                            f"needs no_sync() to clip before the all-reduce; build it with static_graph=False")
         if isinstance(m, fsdp):
             raise TypeError(f"{fn}: {what} ({type(m).__name__}) shards its parameters, which the "
                             f"per-sample rules cannot see; FSDP is not supported (DistributedDataParallel is)")

@@ -118,7 +118,8 @@ class PerSampleGrads:
 
     Raises:
         TypeError: model is not an nn.Module, norms_only not a bool; the model contains a DataParallel, an FSDP
-            module or a DistributedDataParallel other than the model itself.
+            module or a DistributedDataParallel other than the model itself; the model is a DistributedDataParallel
+            built with static_graph=True.
         ValueError: an unknown loss_reduction; a module with trainable parameters and no rule (its name and
             type are in the message), or a trainable parameter its rule does not know (spectral_norm's
             weight_orig). At a forward inside the context: a BatchNorm that normalises with the
