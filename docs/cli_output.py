@@ -11,13 +11,15 @@ A page asks for a command's output with a marker, and this script writes the blo
 
 Flags go before the colon: ``volatile`` for output with timings or machine-dependent numbers
 (the check below compares it with every number masked), ``exit=N`` for a command that is meant to
-exit with status N (default 0). Any other exit status is an error.
+exit with status N (default 0; any other exit status is an error), ``columns=N`` for a table too wide
+for the default 100 columns (its cells would wrap and be cut to "…"; the page scrolls it sideways).
 
     python docs/cli_output.py           # regenerate every block in docs/**/*.md
     python docs/cli_output.py --check   # exit 1 and show a diff if a block is out of date
 
 The commands run through ``convgrad.cli.main`` in one child process (so torch is imported once; the
-test runs them in its own process), each in a fresh empty working directory, with 100 columns, no
+test runs them in its own process), each in a fresh empty working directory, with 100 columns (or the
+block's ``columns=N``), no
 colour, auto-tuning on as a user has it, one thread (the outputs shown
 do not depend on it, and on a loaded machine tiny convolutions run far faster on one) and no tuned
 choices carried over from the command before.
@@ -62,6 +64,7 @@ class Block:
     exit_status: int
     body: str
     span: tuple[int, int]
+    columns: int = int(ENV["COLUMNS"])
 
     @property
     def argv(self) -> list[str]:
@@ -81,11 +84,13 @@ def blocks(page: Path) -> list[Block]:
     found = []
     for m in MARKER.finditer(page.read_text()):
         flags = m["flags"].split()
-        unknown = [f for f in flags if f != "volatile" and not re.fullmatch(r"exit=\d+", f)]
+        unknown = [f for f in flags if f != "volatile" and not re.fullmatch(r"(?:exit|columns)=\d+", f)]
         if unknown:
             raise ValueError(f"{page.name}: unknown cli-output flags {unknown} for {m['command']!r}")
         status = next((int(f.removeprefix("exit=")) for f in flags if f.startswith("exit=")), 0)
-        found.append(Block(page, m["command"], "volatile" in flags, status, m["body"], m.span("body")))
+        columns = next((int(f.removeprefix("columns=")) for f in flags if f.startswith("columns=")),
+                       int(ENV["COLUMNS"]))
+        found.append(Block(page, m["command"], "volatile" in flags, status, m["body"], m.span("body"), columns))
     return found
 
 
@@ -113,10 +118,11 @@ def _chdir(path: str) -> Iterator[None]:
         os.chdir(before)
 
 
-def run_here(argvs: list[list[str]]) -> list[tuple[int, str]]:
-    """Run each command through convgrad.cli.main in this process; (exit status, output) for each.
+def run_here(commands: list[tuple[list[str], int]]) -> list[tuple[int, str]]:
+    """Run each (argv, columns) through convgrad.cli.main in this process; (exit status, output) for each.
 
-    The environment of ENV is set while they run, auto-tuning on and no tuning cache file; all is restored after.
+    The environment of ENV is set while they run (COLUMNS: each command's own), auto-tuning on and no tuning
+    cache file; all is restored after.
     """
     import torch
 
@@ -130,7 +136,8 @@ def run_here(argvs: list[list[str]]) -> list[tuple[int, str]]:
     threads, mode = torch.get_num_threads(), auto.get_mode()
     try:
         auto.set_mode("tune")  # what a user gets
-        for argv in argvs:
+        for argv, columns in commands:
+            os.environ["COLUMNS"] = str(columns)
             torch.set_num_threads(1)
             auto.clear()
             out = io.StringIO()
@@ -153,10 +160,10 @@ def run_here(argvs: list[list[str]]) -> list[tuple[int, str]]:
     return results
 
 
-def run(argvs: list[list[str]]) -> list[tuple[int, str]]:
+def run(commands: list[tuple[list[str], int]]) -> list[tuple[int, str]]:
     """run_here in a child process, which imports convgrad from this clone's src/."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, __file__, "--child"], input=json.dumps(argvs), env=env,
+    child = subprocess.run([sys.executable, __file__, "--child"], input=json.dumps(commands), env=env,
                            capture_output=True, text=True, cwd=ROOT)
     if child.returncode != 0:
         raise RuntimeError(f"cli_output.py --child failed:\n{child.stdout}{child.stderr}")
@@ -167,7 +174,7 @@ def regenerate(check_only: bool = False, in_process: bool = False) -> list[str]:
     """Run every marked command (in a child process, or in this one); rewrite the pages (or, with check_only,
     only compare). Returns the problems."""
     todo = [b for page in pages() for b in blocks(page)]
-    results = (run_here if in_process else run)([b.argv for b in todo])
+    results = (run_here if in_process else run)([(b.argv, b.columns) for b in todo])
     problems: list[str] = []
     new_text = {page: page.read_text() for page in {b.page for b in todo}}
     for block, (status, output) in reversed(list(zip(todo, results))):  # from the end: spans stay valid

@@ -88,3 +88,32 @@ def test_auto_races_it_only_where_it_can_serve() -> None:
     assert "channels_last" not in {b.name for b in auto._candidates(grouped, like.double())}  # no oneDNN kernels
     cl = like.contiguous(memory_format=torch.channels_last_3d)
     assert "channels_last" not in {b.name for b in auto._candidates(grouped, cl)}  # native is that very call
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "stride", "padding"), [
+    ((2, 3, 8, 1), (3, 3, 1, 3), 3, (0, 1)),  # from `convgrad check --random 300 --dtype bfloat16` (seed 0)
+    ((1, 3, 1), (1, 3, 4), 3, 2),  # seed 1
+    ((1, 6, 4, 2, 1), (2, 3, 1, 4, 3), 3, (0, 1, 1)),  # seed 0, grouped: auto may race this backend here
+])
+def test_bfloat16_weight_gradient_of_taps_that_read_only_padding(x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                                                                 stride: int, padding: object) -> None:
+    """Before: oneDNN's channels-last bfloat16 weight gradient (torch 2.13, CPU) left the taps that meet only
+    padding uninitialised: values up to 1e308 where the gradient is exactly 0, differing from run to run."""
+    groups = x_shape[1] // w_shape[1]
+    spec = ConvSpec.from_shapes(x_shape, w_shape, stride=stride, padding=padding, groups=groups)
+    assert spec.reads_only_padding
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):  # the garbage depends on what the allocator hands out
+        x = torch.randn(spec.input_shape, generator=g).bfloat16()
+        gy = torch.randn(spec.output_shape, generator=g).bfloat16()
+        ours = get_backend("channels_last").weight_grad(spec, x, gy)
+        torch.testing.assert_close(ours, get_backend("native").weight_grad(spec, x, gy), rtol=0, atol=0)
+
+
+def test_reads_only_padding_is_the_taps_geometry() -> None:
+    assert ConvSpec.from_shapes((1, 1, 1), (1, 1, 3), padding=1).reads_only_padding  # taps 0 and 2 meet padding
+    assert not ConvSpec.from_shapes((1, 1, 2), (1, 1, 3), padding=1).reads_only_padding
+    assert not ConvSpec.from_shapes((1, 1, 8, 8), (1, 1, 3, 3), stride=2, padding=1).reads_only_padding
+    assert ConvSpec.from_shapes((1, 1, 5), (1, 1, 3), stride=3, padding=((0, 2),)).reads_only_padding is False
+    assert ConvSpec.from_shapes((1, 1, 1), (1, 1, 2), stride=2, padding=((1, 0),)).reads_only_padding  # tap 0
+    assert ConvSpec.from_shapes((0, 1, 1), (1, 1, 3), padding=1).reads_only_padding  # geometry, not data

@@ -105,11 +105,29 @@ def test_model_given_as_a_file_path(model_dir: Path, tmp_path_factory: pytest.Te
 @pytest.mark.parametrize("command", ["check", "explain"])
 def test_padding_error_names_every_accepted_form(command: str) -> None:
     proc = _convgrad(command, *CONFIG, "--padding", "foo")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"convgrad {command}: error: argument --padding: 'foo' must be")
+    _assert_one_line_error(proc, command, "argument --padding: 'foo' must be")
     for form in ("an int", "comma list", "'same'", "'valid'", "lo:hi"):
-        assert form in last, last
+        assert form in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["check", "--input", "two,4,9,9", "--weight", "6,2,3,3"], "argument --input: 'two,4,9,9' must be an int"),
+    (["check", "--random", "abc"], "argument --random: invalid int value: 'abc'"),
+    (["check"], "one of the arguments --input --model --random is required"),
+    (["explain", "--input", "x", "--weight", "6,4,3,3"], "argument --input: 'x' must be an int"),
+    (["bench", "--threads", "abc"], "argument --threads: invalid int value: 'abc'"),
+    (["demo", "--epochs", "abc"], "argument --epochs: invalid int value: 'abc'"),
+    (["nope"], "argument COMMAND: invalid choice: 'nope'"),
+])
+def test_argument_errors_are_one_line_and_exit_2(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: argparse printed the whole usage (3 to 10 lines) above its error line."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    prog = "convgrad" if argv[0] == "nope" else f"convgrad {argv[0]}"
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: {message}"), err
+    assert err.endswith(f"(see {prog} --help)\n"), err
 
 
 @pytest.mark.parametrize("argv", [["explain", *CONFIG], ["explain", *CONFIG, "--code"], ["check", *CONFIG],

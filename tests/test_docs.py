@@ -307,6 +307,16 @@ def test_every_cli_page_asks_for_real_output() -> None:
         assert any(c != f"convgrad {name} --help" for c in commands), commands
 
 
+def test_cli_output_shows_whole_cells() -> None:
+    """Before: with seven backends, check's --model and --random tables at 100 columns cut the gradient and
+    module names to "gradie…" and "Conv2d…"; such a block asks for its width (``columns=N``)."""
+    cut = {f"{b.page.name}: {b.command}": [line for line in b.body.splitlines() if "…" in line]
+           for page in cli_output.pages() for b in cli_output.blocks(page)}
+    assert {where: lines for where, lines in cut.items() if lines} == {}
+    widths = {b.command: b.columns for b in cli_output.blocks(DOCS / "cli" / "check.md")}
+    assert widths["convgrad check --random 20 --seed 0"] > 100 and widths["convgrad check --help"] == 100
+
+
 def test_cli_output_is_current() -> None:
     """What the pages show is what the commands print now (`python docs/cli_output.py` rewrites it)."""
     problems = cli_output.regenerate(check_only=True, in_process=True)

@@ -397,6 +397,21 @@ class ConvSpec:
                      for t, d, s, o in zip(tap, self.dilation, self.stride, self.y_size))
 
     @property
+    def reads_only_padding(self) -> bool:
+        """Whether some kernel tap meets padding alone at every output position (in some dim): its grad_weight is
+        exactly 0. Tap t reads x row t*d - p_lo + m*s at output m (m < o); False when x or y is empty."""
+        for i, o, k, s, d, (lo, _) in zip(self.x_size, self.y_size, self.kernel_size, self.stride, self.dilation,
+                                          self.padding):
+            if i == 0 or o == 0:
+                continue
+            for t in range(k):
+                first = t * d - lo  # the row tap t reads at output 0 (negative: padding)
+                m = max(0, -(first // s))  # the first output at which it reads a row >= 0
+                if m >= o or first + m * s >= i:
+                    return True
+        return False
+
+    @property
     def positions(self) -> int:
         """P = prod(y_size): positions of the small side, the per-sample contraction length of grad_weight."""
         return math.prod(self.y_size)

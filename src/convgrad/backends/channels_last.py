@@ -139,6 +139,14 @@ def execute(p: LayoutPlan, grad_output: torch.Tensor, input: torch.Tensor | None
     channels_last = any(is_channels_last(t) for t in (input, weight) if t is not None)
     if input is None:  # grad_input alone: grad_output stands for the input's layout
         channels_last = channels_last or is_channels_last(grad_output)
+    if need_weight and grad_output.dtype == torch.bfloat16 and p.spec.reads_only_padding:
+        # oneDNN's channels-last bfloat16 weight gradient (torch 2.13, CPU) leaves the taps that meet only padding
+        # uninitialised (up to 1e308 where the gradient is 0): native on contiguous operands, in torch's layout
+        plain_ops = (None if t is None else t.contiguous() for t in (grad_output, input, weight))
+        grads = get_backend("native").backward(p.spec, *plain_ops, need_input, need_weight)  # type: ignore[arg-type]
+        restore = RestoreLayout(unit_dim=False)
+        gi, gw = (None if g is None else restore(g, channels_last) for g in grads)
+        return gi, gw
 
     def prepared(t: torch.Tensor | None) -> torch.Tensor | None:
         for step in p.prepare:

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -73,8 +73,16 @@ def add_conv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-padding", type=parse_ints, default=0, help="transposed only (default 0)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as every other user error: one line on stderr, exit 2 (argparse
+    would print the whole usage first; ``--help`` still shows it). The commands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="convgrad", description="The backward pass of convolution, explicit.")
+    parser = _Parser(prog="convgrad", description="The backward pass of convolution, explicit.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         try:
