@@ -4,6 +4,7 @@ drawn, the pictures that once contradicted the text, animations, the HTML page, 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import re
 from pathlib import Path
@@ -262,6 +263,8 @@ def test_html_is_self_contained(name: str, tmp_path: Path) -> None:
     for data in frames:
         png = base64.b64decode(data.replace("-", "h").replace("_", "H"))
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        with Image.open(io.BytesIO(png)) as image:  # paletted like the GIF's frames: a third of RGB's bytes
+            assert image.mode == "P" and image.size[0] == 800
 
 
 def test_cli_animates_and_writes_html_with_a_chosen_method(tmp_path: Path, capsys: Any) -> None:
