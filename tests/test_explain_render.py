@@ -287,3 +287,14 @@ def test_cli_method_errors_are_one_line(argv: list[str], message: str, capsys: A
     assert cli.main(["explain", "--input", "1,1,7,7", "--weight", "1,1,3,3", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_1d_captions_write_numbers_not_one_tuples() -> None:
+    # a 1d frame read "the conv pads (2,) on both sides" and "result channels 0 of 2 shown (...) shown"
+    recipe = convgrad.explain((1, 2, 6), (2, 2, 3), padding=2, dilation=2)
+    for gradient in ("forward", "grad_input", "grad_weight"):
+        lay = render.layout(recipe.scene(gradient), 40)
+        assert ",)" not in layout.data_steps(lay.scene)  # spec.describe() in the caption keeps torch's (2,)
+        assert "shown" not in lay.note
+    steps = layout.data_steps(recipe.scene("grad_input"))
+    assert "pads 2 on both sides" in steps and "taps 2 apart" in steps, steps
