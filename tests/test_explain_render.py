@@ -298,3 +298,12 @@ def test_1d_captions_write_numbers_not_one_tuples() -> None:
         assert "shown" not in lay.note
     steps = layout.data_steps(recipe.scene("grad_input"))
     assert "pads 2 on both sides" in steps and "taps 2 apart" in steps, steps
+
+
+def test_cells_no_tap_reaches_print_0_not_minus_0() -> None:
+    # stride 3 on 8 rows: grad_input's last two rows and columns are sums of no products, -0.0 in torch
+    recipe = convgrad.explain((1, 1, 8, 8), (1, 1, 3, 3), stride=3, method="zero_insert")
+    fig = recipe.plot()
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "-0" not in texts and "-0.0" not in texts
+    assert [layout.number(v) for v in (-0.0, -0.04, 2.0, -2.5, 1234.0)] == ["0", "0", "2", "-2.5", "1k"]

@@ -293,8 +293,8 @@ def values(scene: Scene) -> dict[str, Any]:
 
 
 def number(v: Any) -> str:
-    """A cell's number in at most 4 characters (thousands as k)."""
-    v = float(v)
+    """A cell's number in at most 4 characters (thousands as k); -0.0 (a sum of no products) prints as 0."""
+    v = round(float(v), 1) + 0.0  # + 0.0: -0.0 becomes 0.0
     if abs(v) >= 1000:
         return f"{v / 1000:.0f}k" if abs(v) < 999_500 else f"{v / 1e6:.0f}M"
     return f"{v:.0f}" if v.is_integer() else f"{v:.1f}"
