@@ -21,3 +21,10 @@ def device(request: pytest.FixtureRequest) -> torch.device:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     return torch.device(request.param)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many configurations and frames tests/test_explain_frames.py checked against the Jacobian, per profile."""
+    frames = sys.modules.get("test_explain_frames")
+    for line in frames.tally_lines() if frames is not None else []:
+        terminalreporter.write_line(line)

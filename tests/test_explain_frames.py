@@ -10,6 +10,7 @@ through torch's own convolution (tests/helpers.reference_forward).
 from __future__ import annotations
 
 import math
+from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
@@ -85,11 +86,17 @@ def mislabelled(sc: Scene) -> tuple[int, list[str]]:
     return count, errors
 
 
-def check(config: Config) -> int:
-    """Every frame of the three scenes of a configuration is right; returns how many were checked."""
+TALLY: dict[str, Counter[str]] = defaultdict(Counter)  # profile -> configurations, scenes and frames checked
+
+
+def check(config: Config, profile: str | None = None) -> int:
+    """Every frame of the three scenes of a configuration is right; returns how many were checked.
+
+    A passing check is counted in TALLY[profile] (not the mutants'); pytest's summary prints the counts.
+    """
     case, input_method, weight_method = config
     spec = case.spec()
-    total = 0
+    total, scenes = 0, 0
     for gradient in GRADIENTS:
         try:
             sc = scene(spec, gradient, input_method=input_method, weight_method=weight_method)
@@ -98,8 +105,16 @@ def check(config: Config) -> int:
             continue
         count, errors = mislabelled(sc)
         assert not errors, "\n".join([spec.describe(), *errors[:5]])
-        total += count
+        total, scenes = total + count, scenes + 1
+    if profile is not None:
+        TALLY[profile].update(configurations=1, scenes=scenes, frames=total)
     return total
+
+
+def tally_lines() -> list[str]:
+    """One line per profile run: the configurations, scenes and frames checked (tests/conftest.py prints them)."""
+    return [f"test_explain_frames [{profile}]: {n['frames']} frames of {n['scenes']} scenes in "
+            f"{n['configurations']} configurations match the Jacobian" for profile, n in sorted(TALLY.items())]
 
 
 @st.composite
@@ -150,13 +165,13 @@ EXAMPLES = [  # the cases where pictures go wrong: each gets its own run in the 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=lambda c: f"{c[0].spec().describe()} {c[1]} {c[2]}")
 def test_frames_of_the_hard_cases_match_the_jacobian(config: Config) -> None:
-    assert check(config) > 0
+    assert check(config, "fast") > 0
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(configs())
 def test_frames_match_the_jacobian(config: Config) -> None:
-    assert check(config) > 0
+    assert check(config, "fast") > 0
 
 
 @pytest.mark.slow
@@ -164,7 +179,7 @@ def test_frames_match_the_jacobian(config: Config) -> None:
 @given(configs(max_size=8))
 @example(EXAMPLES[8])
 def test_frames_match_the_jacobian_thorough(config: Config) -> None:
-    assert check(config) > 0
+    assert check(config, "thorough") > 0
 
 
 # ---- the check bites -----------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ drawn, the pictures that once contradicted the text, animations, the HTML page, 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,7 @@ from PIL import Image
 
 import convgrad
 from convgrad import cli
-from convgrad.explain import animation, render
+from convgrad.explain import animation, layout, render
 from convgrad.explain.symbols import used_symbols
 
 CONFIGS = {  # name -> (input_size, weight_size, kwargs of convgrad.explain)
@@ -177,6 +178,20 @@ def test_strided_plot_draws_the_phases_and_zero_insert_the_zeros() -> None:
     assert _block_fills(fig.axes[0]).count(zero) == 5  # grad_output 2x2 zero-inserted by 2: 3x3 with 5 zeros
 
 
+def test_each_block_of_a_plot_lists_only_the_kernel_cells_it_draws() -> None:
+    # phase (0, 0) of a 3x3 kernel at stride 2 uses all four of its slots: its block drew no zero tap but the
+    # scene-wide legend listed one
+    fig = convgrad.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2).plot()
+    blocks = fig.axes[:4]
+    label = layout.LABELS["zero_tap"]
+    for ax in blocks:
+        hatched = any(isinstance(p, Rectangle) and p.get_hatch() == layout.HATCHES["zero_tap"]
+                      and p.get_width() > 20 for p in ax.patches)
+        listed = any(t.get_text() == label for t in ax.texts)
+        assert listed == hatched
+    assert [any(t.get_text() == label for t in ax.texts) for ax in blocks] == [False, True, True, True]
+
+
 def test_transposed_plot_pads_as_the_text_says() -> None:
     recipe = convgrad.explain((1, 1, 3, 3), (1, 1, 3, 3), stride=2, padding=1, output_padding=1, transposed=True)
     pad = next(st for st in recipe.steps("grad_input") if st.kind == "Pad")
@@ -208,7 +223,7 @@ def test_a_big_layer_is_bounded_and_says_so(tmp_path: Path) -> None:
         assert len(lay.frames) <= 40 and "the top-left corner of the result" in lay.note
         assert any(line.startswith("shown: ") or "shown: " in line for line in render.caption(lay))
     lay = render.layout(recipe.scene("grad_weight"), 40)  # every cell reads all of the input: clip it too
-    assert "of 24 shown" in lay.note and "rows per dim of input and grad_output" in lay.note
+    assert "of 24" in lay.note and "rows per dim of input and grad_output" in lay.note
     with Image.open(recipe.animate(tmp_path / "big.gif", max_frames=6)) as gif:
         assert 3 <= gif.n_frames <= 6
     assert (tmp_path / "big.gif").stat().st_size < 2**20
@@ -248,6 +263,8 @@ def test_html_is_self_contained(name: str, tmp_path: Path) -> None:
     for data in frames:
         png = base64.b64decode(data.replace("-", "h").replace("_", "H"))
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
+        with Image.open(io.BytesIO(png)) as image:  # paletted like the GIF's frames: a third of RGB's bytes
+            assert image.mode == "P" and image.size[0] == 800
 
 
 def test_cli_animates_and_writes_html_with_a_chosen_method(tmp_path: Path, capsys: Any) -> None:
@@ -270,3 +287,23 @@ def test_cli_method_errors_are_one_line(argv: list[str], message: str, capsys: A
     assert cli.main(["explain", "--input", "1,1,7,7", "--weight", "1,1,3,3", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_1d_captions_write_numbers_not_one_tuples() -> None:
+    # a 1d frame read "the conv pads (2,) on both sides" and "result channels 0 of 2 shown (...) shown"
+    recipe = convgrad.explain((1, 2, 6), (2, 2, 3), padding=2, dilation=2)
+    for gradient in ("forward", "grad_input", "grad_weight"):
+        lay = render.layout(recipe.scene(gradient), 40)
+        assert ",)" not in layout.data_steps(lay.scene)  # spec.describe() in the caption keeps torch's (2,)
+        assert "shown" not in lay.note
+    steps = layout.data_steps(recipe.scene("grad_input"))
+    assert "pads 2 on both sides" in steps and "taps 2 apart" in steps, steps
+
+
+def test_cells_no_tap_reaches_print_0_not_minus_0() -> None:
+    # stride 3 on 8 rows: grad_input's last two rows and columns are sums of no products, -0.0 in torch
+    recipe = convgrad.explain((1, 1, 8, 8), (1, 1, 3, 3), stride=3, method="zero_insert")
+    fig = recipe.plot()
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "-0" not in texts and "-0.0" not in texts
+    assert [layout.number(v) for v in (-0.0, -0.04, 2.0, -2.5, 1234.0)] == ["0", "0", "2", "-2.5", "1k"]

@@ -1,7 +1,8 @@
 """Recipe.to_html: one self-contained page with the frames, a slider to scrub them, the recipe and its script.
 
-No server and no network: the frames are PNGs embedded in the page, the player is a few lines of local
-script, and nothing points outside the file (matplotlib's own to_jshtml loads its icons from a CDN).
+No server and no network: the frames are PNGs embedded in the page (paletted, as the GIF's frames are),
+the player is a few lines of local script, and nothing points outside the file (matplotlib's own
+to_jshtml loads its icons from a CDN).
 The PNGs are base64 with 'h' and 'H' swapped for '-' and '_' (the page swaps them back), so that no
 run of letters in the data can spell an address.
 """
@@ -15,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from convgrad.explain.animation import check_path, frames
+from convgrad.explain.animation import check_path, frames, paletted
 
 if TYPE_CHECKING:
     from convgrad.explain.recipe import Recipe
@@ -78,7 +79,7 @@ def to_html(recipe: Recipe, path: Path, gradients: tuple[str, ...], max_frames: 
         raise ValueError(f"Recipe.to_html: path={str(path)!r} must end in .html")
     check_path(path, "Recipe.to_html")
     pngs, labels = [], []
-    for _, image, label in frames(recipe, gradients, max_frames, "Recipe.to_html"):
+    for _, image, label in paletted(frames(recipe, gradients, max_frames, "Recipe.to_html")):
         buffer = io.BytesIO()
         image.save(buffer, format="png", optimize=True)
         pngs.append(base64.b64encode(buffer.getvalue()).decode("ascii").translate(_SWAP))

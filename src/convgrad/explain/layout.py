@@ -181,7 +181,7 @@ def select(scene: Scene, budget: int) -> tuple[list[Frame], str, Window]:
     firsts = shown_channels(scene)
     notes = []
     if len(channels) > len(firsts):
-        notes.append(f"result channels {', '.join(map(_c, firsts))} of {len(channels)} shown"
+        notes.append(f"result channel{'s' if len(firsts) > 1 else ''} {', '.join(map(_c, firsts))} of {len(channels)}"
                      + (" (the first of each group)" if spec.groups > 1 else " (the others are alike)"))
     sizes = [len(a.cells) for a in scene.axes]
     per_channel = max(1, budget // len(firsts))
@@ -293,8 +293,8 @@ def values(scene: Scene) -> dict[str, Any]:
 
 
 def number(v: Any) -> str:
-    """A cell's number in at most 4 characters (thousands as k)."""
-    v = float(v)
+    """A cell's number in at most 4 characters (thousands as k); -0.0 (a sum of no products) prints as 0."""
+    v = round(float(v), 1) + 0.0  # + 0.0: -0.0 becomes 0.0
     if abs(v) >= 1000:
         return f"{v / 1000:.0f}k" if abs(v) < 999_500 else f"{v / 1e6:.0f}M"
     return f"{v:.0f}" if v.is_integer() else f"{v:.1f}"
@@ -399,14 +399,19 @@ def data_steps(scene: Scene) -> str:
     conv = scene.plan.conv
     if isinstance(conv, Conv):  # a plain conv: its own padding, stride and dilation shape the picture
         if any(conv.padding):
-            steps.append(f"the conv pads {conv.padding} on both sides")
+            steps.append(f"the conv pads {_dims(conv.padding)} on both sides")
         if any(v > 1 for v in conv.stride):
-            steps.append(f"read at stride {conv.stride}")
+            steps.append(f"read at stride {_dims(conv.stride)}")
         if any(v > 1 for v in conv.dilation):
-            steps.append(f"kernel taps {conv.dilation} apart (dilation)")
+            steps.append(f"kernel taps {_dims(conv.dilation)} apart (dilation)")
     elif hasattr(conv, "phases"):
         steps.append("each phase pads it as it needs and reads it at stride 1")
     return f"{scene.data}: " + ("; ".join(steps) or "read as it is")
+
+def _dims(values: Sequence[int]) -> str:
+    """Per-dim integers as a reader writes them: ``2`` in 1d, ``(2, 1)`` otherwise."""
+    return str(values[0]) if len(values) == 1 else str(tuple(values))
+
 
 def _moves_channels_only(step: Any) -> bool:
     return getattr(type(step), "rows", None) is Spatially.rows

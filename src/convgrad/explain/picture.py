@@ -7,6 +7,7 @@ most entries. Every block is drawn by explain/render.py from the scene's own fra
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,9 @@ def plot(recipe: Recipe, path: str | Path | None = None) -> Figure:
         blocks += [(lay, f) for f in keys]
     fig = render.figure(sum(lay.height for lay, _ in blocks))
     top = 0.0
-    for lay, frame in blocks:
-        render.draw(lay, frame, render.values(lay.scene), lay.frames, fig=fig, top=top)
+    for lay, frame in blocks:  # each block's legend lists its own frame's kernel cells, every result cell done
+        block = dataclasses.replace(lay, frames=[frame])
+        render.draw(block, frame, render.values(lay.scene), lay.frames, fig=fig, top=top)
         top += lay.height
     if path is not None:
         fig.savefig(Path(path), dpi=render.DPI)

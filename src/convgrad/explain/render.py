@@ -246,7 +246,8 @@ def _frame_text(ax: Axes, lay: Layout, frame: Frame, t: dict[str, Any]) -> list:
         body = " + ".join(terms) if len(terms) <= 12 and letters else f"the sum of {len(terms)} products"
         more = f" + the same over {len(frame.channels) - 1} more channel(s)" if len(frame.channels) > 1 else ""
         idle = sum(1 for d, k in frame.links if not (Frame.real(d) and Frame.real(k)))
-        rest = f"   ({idle} more products meet padding or zeros)" if idle else ""
+        rest = ("   (1 more product meets padding or zeros)" if idle == 1 else
+                f"   ({idle} more products meet padding or zeros)" if idle else "")
         line = f"{name} = {body}{more} = {value}{rest}"
     out.append(_text(ax, MARGIN, lay.rows["sum"], line[:120], FONT, va="top"))
     return out
