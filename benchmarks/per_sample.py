@@ -18,7 +18,7 @@ table gives the median of those ratios over the rounds and their IQR, and the me
 time varies 6-34% within a process on a shared machine; pairing within a round cancels load that comes
 and goes. CPU time (all threads) is reported beside wall time: a contender using one core of two shows
 CPU/wall near 1. Memory: each (model, contender, quantity) runs again in a fresh process, two steps;
-peak memory is ru_maxrss minus the RSS once the model, the data and the contender's wrappers are set up.
+peak memory is the peak RSS (VmHWM) minus the RSS once the model, the data and the contender's wrappers are set up.
 
 Usage (extra libraries: benchmarks/requirements.txt, installed as in benchmarks/README.md):
     PYTHONPATH=src python benchmarks/per_sample.py --threads 2 --repeats 7
@@ -33,7 +33,6 @@ import copy
 import gc
 import importlib.util
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -262,11 +261,12 @@ def time_model(model_name: str, jobs: list[tuple[str, str]], repeats: int) -> li
 
 
 # ---- memory: one fresh process per job ------------------------------------------------------------------------
-def _rss_kib() -> int:
+def _status_kib(field: str) -> int:
+    """A size from /proc/self/status: VmRSS (resident now) or VmHWM (the peak of this process image)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def memory_worker(model_name: str, contender: str, quantity: str) -> dict[str, Any]:
@@ -275,10 +275,12 @@ def memory_worker(model_name: str, contender: str, quantity: str) -> dict[str, A
     x, y = _data(model_name)
     step = SETUPS[contender](model, quantity)
     gc.collect()
-    base = _rss_kib()
+    base = _status_kib("VmRSS")
     for _ in range(2):
         _timed(step, model, x, y)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across fork and exec, so a worker started by a
+    # parent that holds 3 GiB reported 3 GiB for every contender; VmHWM belongs to this process image alone
+    peak = _status_kib("VmHWM")
     return {"peak_mib": (peak - base) / 1024}
 
 
