@@ -321,12 +321,25 @@ def test_cli_code_prints_a_runnable_script(capsys: Any) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--input", "2,4,9", "--weight", "4,3,3", "--groups", "2"], "error: weight.shape=(4, 3, 3) with groups=2"),
     (["--input", "2,4,9,9", "--weight", "4,4,3,3", "--transposed", "--padding", "same"], "not defined"),
-    (["--input", "2,4,9", "--weight", "4,4,3", "--dtype", "int8"], "native_backend: dtype=torch.int8"),
+    (["--input", "2,4,9", "--weight", "4,4,3", "--dtype", "int8"], "--dtype 'int8' must be a floating or complex"),
 ])
 def test_cli_invalid_shapes_give_one_line_errors(argv: list[str], message: str, capsys: Any) -> None:
     assert cli.main(["explain", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("extra", [[], ["--code"], ["--plot", "never.png"]])
+@pytest.mark.parametrize("dtype", ["int8", "bool", "nonsense"])
+def test_cli_bad_dtype_is_refused_before_any_output(dtype: str, extra: list[str], capsys: Any, tmp_path: Any,
+                                                    monkeypatch: Any) -> None:
+    """A bad --dtype used to print the whole recipe (or write nothing but still pass with --code) before failing."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["explain", "--input", "1,1,5,5", "--weight", "1,1,3,3", "--stride", "2", "--dtype", dtype, *extra]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--dtype" in err and "Traceback" not in err
+    assert not (tmp_path / "never.png").exists()
 
 
 def test_cli_padding_forms() -> None:

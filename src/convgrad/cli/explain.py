@@ -50,6 +50,9 @@ def _dtype(name: str) -> Any:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"explain: --dtype {name!r} is not a torch dtype (e.g. float32, float64, bfloat16)")
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"explain: --dtype {name!r} must be a floating or complex dtype (e.g. float32, float64, "
+                         "bfloat16)")
     return dtype
 
 
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     animation with --animate, the page with --html."""
     import convgrad
 
+    dtype = _dtype(args.dtype)  # a bad --dtype is refused before anything is printed or written
     padding = _pairs(args.padding, len(args.weight) - 2)
     hyper = dict(stride=args.stride, padding=padding, dilation=args.dilation, transposed=args.transposed,
                  output_padding=args.output_padding, groups=args.groups)
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(recipe)
         print()
-        print(convgrad.native_backend(args.input, args.weight, **hyper, dtype=_dtype(args.dtype), device=args.device))
+        print(convgrad.native_backend(args.input, args.weight, **hyper, dtype=dtype, device=args.device))
     if args.plot:
         recipe.plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
