@@ -84,6 +84,19 @@ def test_bench_errors_are_one_line(argv: list[str], message: str, capsys: Any, t
     assert message in capsys.readouterr().err
 
 
+def test_an_unusable_out_is_refused_before_any_layer_is_timed(capsys: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    """--out naming a file used to fail only after the whole run (53 s for smoke on 2 cores), losing its timings."""
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a layer was timed before --out was checked")
+
+    monkeypatch.setattr(timing, "time_layer", never)
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("")
+    assert cli.main(["bench", "--suite", "smoke", "--out", str(a_file), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "File exists" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
 def test_geomean() -> None:
     assert report.geomean([1.0, 4.0]) == pytest.approx(2.0) and math.isnan(report.geomean([]))
 

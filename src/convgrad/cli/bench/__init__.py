@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args.device)
     malloc = keep_malloc() if args.malloc == "keep" else "system"
     work = [(layer, dtype) for dtype in args.dtype for layer in select(args.suite, args.layers, dtype)]
+    args.out.mkdir(parents=True, exist_ok=True)  # an unusable --out fails now, not after every layer is timed
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -170,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
                 result = next(rounds)
                 progress.advance(bar)
             results.append(result)
-    args.out.mkdir(parents=True, exist_ok=True)
     report.to_json(results, meta, args.out / "results.json")
     report.to_markdown(results, meta, args.out / "results.md")
     pngs = report.write_plots(results, args.out)
