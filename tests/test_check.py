@@ -430,3 +430,15 @@ def test_cli_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["check", "--input", "2,4,9,9", "--weight", "6,2,3,3", "--stride", "x"])
     assert info.value.code == 2 and "--stride: 'x' must be an int" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--input", "2,4,9,9", "--weight", "6,2,3,3", "--groups", "2", "--dtype", "float16",
+                                   "--backend", "numpy"],
+                                  ["--input", "2,4,9,9", "--weight", "6,2,3,3", "--groups", "2", "--dtype", "complex64",
+                                   "--backend", "gemm"],
+                                  ["--random", "2", "--dtype", "bfloat16", "--backend", "numpy"]])
+def test_cli_a_check_that_compared_nothing_does_not_pass(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: every backend asked for skipped the dtype, yet exit 0 and 'every gradient within its error bound'."""
+    assert main(["check", *argv]) == 1
+    out = capsys.readouterr().out
+    assert "every gradient within its error bound" not in out and "no gradient compared" in out

@@ -156,7 +156,7 @@ def _run_config(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> l
                                  args.backend, args.seed)
     console.print(f"{spec.describe()}, {args.dtype}")
     console.print(_table(("backend", "gradient"), _config_rows(results), ERRORS))
-    return [r for r in results if r.failed]
+    return results
 
 
 def _run_random(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> list[Result]:
@@ -177,7 +177,7 @@ def _run_random(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> l
     compared = sum(1 for _, results in checked for r in results if not r.status.startswith("skip"))
     console.print(f"{len(checked)} random configurations (seed {args.seed}), {compared} gradients compared, "
                   f"{len(failed)} failed")
-    return failed
+    return [r for _, results in checked for r in results]
 
 
 def _run_model(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> list[Result]:
@@ -195,21 +195,26 @@ def _run_model(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> li
         names = _backends(layers[0].results)
         rows = [row for layer in layers for row in _layer_rows(layer, names)]
         console.print(_table(("layer", "module", "gradient"), rows, (*names, "result")))
-    return [r for layer in layers for r in layer.results if r.failed]
+    return [r for layer in layers for r in layer.results]
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the chosen check, print its table, return 1 when any gradient is out of its bound."""
+    """Run the chosen check, print its table, return 1 when any gradient is out of its bound, or when every
+    backend was skipped (nothing was compared, so nothing was verified)."""
     console = _console()
     if args.dtype not in DTYPES:
         raise ValueError(f"check: --dtype={args.dtype!r} must be one of {', '.join(DTYPES)}")
     dtype = DTYPES[args.dtype]
     if args.model is not None:
-        failed = _run_model(console, args, dtype)
+        results = _run_model(console, args, dtype)
     elif args.random is not None:
-        failed = _run_random(console, args, dtype)
+        results = _run_random(console, args, dtype)
     else:
-        failed = _run_config(console, args, dtype)
+        results = _run_config(console, args, dtype)
+    failed = [r for r in results if r.failed]
+    if not failed and all(r.status.startswith("skip") for r in results):
+        console.print("[red]no gradient compared: every backend was skipped (see why in the table)[/red]")
+        return 1
     console.print(f"[red]{len(failed)} gradient(s) out of their error bound[/red]" if failed
                   else "[green]every gradient within its error bound[/green]")
     return 1 if failed else 0
