@@ -399,17 +399,18 @@ def data_steps(scene: Scene) -> str:
     conv = scene.plan.conv
     if isinstance(conv, Conv):  # a plain conv: its own padding, stride and dilation shape the picture
         if any(conv.padding):
-            steps.append(f"the conv pads {_dims(conv.padding)} on both sides")
+            steps.append(f"the conv pads {_per_dim(conv.padding)} on both sides")
         if any(v > 1 for v in conv.stride):
-            steps.append(f"read at stride {_dims(conv.stride)}")
+            steps.append(f"read at stride {_per_dim(conv.stride)}")
         if any(v > 1 for v in conv.dilation):
-            steps.append(f"kernel taps {_dims(conv.dilation)} apart (dilation)")
+            steps.append(f"kernel taps {_per_dim(conv.dilation)} apart (dilation)")
     elif hasattr(conv, "phases"):
         steps.append("each phase pads it as it needs and reads it at stride 1")
     return f"{scene.data}: " + ("; ".join(steps) or "read as it is")
 
-def _dims(values: Sequence[int]) -> str:
-    """Per-dim integers as a reader writes them: ``2`` in 1d, ``(2, 1)`` otherwise."""
+
+def _per_dim(values: Sequence[int]) -> str:
+    """Per-dim integers in prose: ``2`` in 1d, ``(2, 1)`` otherwise (code.py's ``_dims`` writes them as code)."""
     return str(values[0]) if len(values) == 1 else str(tuple(values))
 
 
