@@ -66,6 +66,21 @@ def test_specs_are_hashable_and_compare_by_value() -> None:
     assert a == b and hash(a) == hash(b)
 
 
+def test_from_shapes_remembers_a_spec_but_still_checks_each_type() -> None:
+    """A layer's spec is looked up by its arguments (no validation on every forward); an argument equal to a
+    remembered one but of another type (1.0 or True for 1, a list for a tuple) is still validated."""
+    a = ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), 1, 1, 1, False, 0, 1, fn="memo")
+    assert ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), 1, 1, 1, False, 0, 1, fn="memo") is a
+    for bad in (dict(stride=1.0), dict(stride=True), dict(groups=True), dict(padding=(1.0, 1))):
+        args = dict(stride=1, padding=1, dilation=1, groups=1) | bad
+        with pytest.raises(TypeError, match="memo: "):
+            ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), fn="memo", **args)
+    with pytest.raises(TypeError, match="transposed=1 must be a bool"):
+        ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), 1, 1, 1, 1, 0, 1, fn="memo")
+    assert ConvSpec.from_shapes([2, 4, 9, 9], [6, 4, 3, 3], [1, 1], [1, 1], fn="memo") == a  # lists: validated
+    assert ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), 1, 1, fn="other").fn == "other"
+
+
 F = "conv_weight_grad"
 BAD: list[tuple[dict, type, str]] = [
     (dict(stride=0), ValueError, r"conv_weight_grad: stride=0 must be positive"),

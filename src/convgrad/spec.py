@@ -156,10 +156,24 @@ def _padding_pairs(fn: str, padding: PaddingArg, n: int, transposed: bool) -> tu
     return tuple((p, p) for p in _ntuple(fn, "padding", padding, n, 0))
 
 
+def _exact(v: object) -> bool:
+    """An argument from_shapes may look up by value: an int or a str, or a tuple (torch.Size) of those.
+
+    Exact types only: equal values of other types (1.0, numpy ints, True for 1) must be validated themselves.
+    """
+    return type(v) in (int, str) or (isinstance(v, tuple) and all(map(_exact, v)))
+
+
 def _shape(fn: str, name: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, Sequence) or isinstance(shape, str):
         raise TypeError(f"{fn}: {name}={shape!r} must be a sequence of ints")
     return _ntuple(fn, name, tuple(shape), len(shape), 0)
+
+
+# from_shapes's validated specs by their arguments: a layer calls it with the same arguments on every forward, and
+# validating them took 11-18 us of a 100 us conv (the demo's layers). Bounded; cleared when full.
+_MAX_SPECS = 4096
+_SPECS: dict[tuple[Any, ...], ConvSpec] = {}
 
 
 @dataclass(frozen=True)
@@ -217,6 +231,23 @@ class ConvSpec:
             TypeError: a non-integer where an int is needed.
             ValueError: any value out of range or inconsistent with the shapes.
         """
+        args = (input_shape, weight_shape, stride, padding, dilation, transposed, output_padding, groups, fn)
+        # 1.0 == 1 and True == 1: only exact types share an entry
+        key = args if type(transposed) is bool and all(map(_exact, args[:5] + args[6:])) else None
+        if key is not None and key in _SPECS:
+            return _SPECS[key]
+        spec = cls._validated(*args)
+        if key is not None:
+            if len(_SPECS) >= _MAX_SPECS:
+                _SPECS.clear()
+            _SPECS[key] = spec
+        return spec
+
+    @classmethod
+    def _validated(cls, input_shape: Sequence[int], weight_shape: Sequence[int], stride: IntOrTuple = 1,
+                   padding: PaddingArg = 0, dilation: IntOrTuple = 1, transposed: bool = False,
+                   output_padding: IntOrTuple = 0, groups: int = 1, fn: str = "ConvSpec") -> ConvSpec:
+        """from_shapes without its memo (what torch.compile traces)."""
         weight_shape = _shape(fn, "weight.shape", weight_shape)
         n = len(weight_shape) - 2
         if n not in (1, 2, 3):
@@ -431,6 +462,13 @@ class ConvSpec:
     def symmetric_padding(self) -> tuple[int, ...]:
         """min(p_lo, p_hi) per dim: the part of the padding torch can express as one int."""
         return tuple(min(lo, hi) for lo, hi in self.padding)
+
+    @property
+    def aten_args(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool, tuple[int, ...], int]:
+        """(stride, padding, dilation, transposed, output_padding, groups) as aten.convolution takes them, with
+        symmetric_padding (the rest of the padding is applied explicitly, see padding_excess)."""
+        return (self.stride, self.symmetric_padding, self.dilation, self.transposed, self.output_padding,
+                self.groups)
 
     @property
     def padding_excess(self) -> tuple[Pair, ...]:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterator
 
@@ -158,8 +159,13 @@ def _key(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Key:
     """(spec with its batch bucketed, gradient, dtype, device, channels last, CPU threads): what a choice depends on."""
     last = like.dim() >= 3 and like.shape[1] > 1 and like.stride(1) == 1 and not like.is_contiguous()
     threads = torch.get_num_threads() if like.device.type == "cpu" else 0
-    spec = dataclasses.replace(spec, batch=batch_bucket(spec.batch))
-    return spec, gradient, like.dtype, like.device, last, threads
+    return _bucketed(spec), gradient, like.dtype, like.device, last, threads
+
+
+@functools.lru_cache(maxsize=1024)
+def _bucketed(spec: ConvSpec) -> ConvSpec:
+    """The spec with its batch bucketed (cached: every call of every layer looks its choice up)."""
+    return dataclasses.replace(spec, batch=batch_bucket(spec.batch))
 
 
 def _key_text(key: Key) -> str:

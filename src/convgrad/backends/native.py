@@ -21,11 +21,6 @@ from convgrad.backends import Backend, register
 from convgrad.spec import ConvSpec
 
 
-def _aten_args(spec: ConvSpec) -> tuple[list[int], list[int], list[int], bool, list[int], int]:
-    return (list(spec.stride), list(spec.symmetric_padding), list(spec.dilation), spec.transposed,
-            list(spec.output_padding), spec.groups)
-
-
 def _complex_bilinear(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor,
                       b: torch.Tensor) -> torch.Tensor:
     """f(a, b) for complex a, b from four real calls of the real-bilinear f (aten has no complex conv kernels)."""
@@ -40,10 +35,12 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     if input.is_complex():
         out = _complex_bilinear(lambda x, w: forward(spec, x, w, None), input, weight)
         return out if bias is None else out + bias.reshape(-1, *(1,) * spec.n)  # (C_out, 1, ..., 1)
+    if spec.is_symmetric:
+        return torch.ops.aten.convolution(input, weight, bias, *spec.aten_args)
     excess = spec.padding_excess
     if not spec.transposed:
         input = pad(input, excess)
-    out = torch.ops.aten.convolution(input, weight, bias, *_aten_args(spec))
+    out = torch.ops.aten.convolution(input, weight, bias, *spec.aten_args)
     if spec.transposed:
         out = pad(out, [(-lo, -hi) for lo, hi in excess])  # crop what aten's symmetric padding left
     return out
@@ -59,12 +56,12 @@ def _convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight
     strides; torch's own autograd fails there too (found by tests/test_fuzz.py).
     """
     try:
-        return torch.ops.aten.convolution_backward(grad_output, input, weight, None, *_aten_args(spec), mask)
+        return torch.ops.aten.convolution_backward(grad_output, input, weight, None, *spec.aten_args, mask)
     except RuntimeError as e:
         if "must be contiguous" not in str(e):
             raise
         tensors = (t.contiguous() for t in (grad_output, input, weight))
-        return torch.ops.aten.convolution_backward(*tensors, None, *_aten_args(spec), mask)
+        return torch.ops.aten.convolution_backward(*tensors, None, *spec.aten_args, mask)
 
 
 @register
