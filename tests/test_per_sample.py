@@ -87,7 +87,7 @@ def _kw(case: Case) -> dict[str, object]:
 def test_per_sample_weight_and_bias_grads_match_loop_and_vmap(case: Case) -> None:
     t = make_tensors(case)
     refs = [_loop_reference(case, t)] + ([_vmap_reference(case, t)] if case.input_shape[0] else [])
-    for method in ("unfold", "conv", "auto"):
+    for method in ("unfold", "conv", "native", "auto"):
         ours = {"grad_weight": cg.per_sample_weight_grad(t["input"], case.weight_shape, t["grad_output"],
                                                          method=method, **_kw(case)),
                 "grad_bias": cg.per_sample_bias_grad(t["grad_output"])}
@@ -101,7 +101,7 @@ def test_per_sample_grad_norms_match_loop_for_every_method(case: Case) -> None:
     ref = _loop_reference(case, t)
     expected = torch.cat([ref["grad_weight"].flatten(1), ref["grad_bias"]], 1).norm(dim=1)
     no_bias = ref["grad_weight"].flatten(1).norm(dim=1)
-    for method in ("ghost", "unfold", "conv", "auto"):
+    for method in ("ghost", "unfold", "conv", "native", "auto"):
         got = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], method=method, **_kw(case))
         torch.testing.assert_close(got, expected, **TOL[DT], msg=lambda m, k=method: f"{case} {k}: {m}")
         got = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], bias=False, method=method,
@@ -599,7 +599,8 @@ def test_clip_options_agree_and_storing_is_offered_only_within_the_memory_rule(s
     spec = cg.ConvSpec.from_shapes((5, 4, 7, 7), (6, 2, 3, 3), 2, 1, groups=2)
     x, y = torch.randn(spec.input_shape, dtype=DT), torch.randn(spec.output_shape, dtype=DT)
     opts = tuning.options(spec, x, y, "clip", store)
-    assert ("unfold+store" in opts) == store and {"ghost", "unfold", "conv"} <= set(opts)
+    assert ("unfold+store" in opts) == store and ("native+store" in opts) == store
+    assert {"ghost", "unfold", "conv", "native"} <= set(opts)
     results = {n: run(5) for n, run in opts.items()}
     gw = methods.weight_grad(spec, x, y, "unfold")
     for name, (sq, summed) in results.items():  # the squared norms and the clipped sum with factors 1

@@ -18,7 +18,7 @@ from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
 __all__ = ["per_sample_bias_grad", "per_sample_grad_norms", "per_sample_weight_grad"]
 
-_METHODS = ("auto", "conv", "unfold", "ghost")
+_METHODS = ("auto", "conv", "unfold", "native", "ghost")
 
 
 def _check(fn: str, input: Any, weight_size: Any, grad_output: Any, stride: IntOrTuple, padding: PaddingArg,
@@ -66,8 +66,9 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
         transposed: the layer is a transposed convolution (default False).
         output_padding: int or N-tuple, transposed only (default 0).
         method: ``"unfold"`` (im2col + one batched GEMM per group), ``"conv"`` (a grouped convolution
-            with the batch folded into the groups) or ``"auto"`` (default: the faster of the two, timed once per
-            layer configuration on a slice of the batch, as ``backend="auto"`` times backends; with
+            with the batch folded into the groups), ``"native"`` (PyTorch's weight-gradient kernel once per sample;
+            fast on layers with many positions, see ``convgrad.per_sample.methods``) or ``"auto"`` (default: the
+            fastest, timed once per layer configuration on the batch, as ``backend="auto"`` times backends; with
             ``CONVGRAD_AUTOTUNE=fixed`` the cost model of
             [`per_sample_grad_norms`][convgrad.per_sample.functional.per_sample_grad_norms]). ``"ghost"`` computes norms
             only and is refused here.
@@ -97,7 +98,7 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
                         output_padding, method)
     if method == "ghost":
         raise ValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
-                         f"'unfold', 'conv' or 'auto'")
+                         f"'unfold', 'conv', 'native' or 'auto'")
     if method == "auto":
         method = tuning.method_for(spec, x, y, "grads")
     return methods.weight_grad(spec, x, y, method)
@@ -161,13 +162,14 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
       stays under 2^22 elements: "unfold" copies ``N·C_x·T·P`` elements into an im2col buffer and
       runs GEMMs whose output tile per (sample, group) is ``(C_y/g)×(C_x·T/g)``; when that tile has
       fewer than 64 entries (depthwise-like layers, where such GEMMs are inefficient) "conv" is
-      chosen instead: one grouped convolution, no im2col buffer.
+      chosen instead: one grouped convolution, no im2col buffer. "native" (PyTorch's weight-gradient
+      kernel once per sample) is measured by "auto" too, but never chosen by this cost model.
 
     Args:
         input, weight_size, grad_output, stride, padding, dilation, groups, transposed, output_padding:
             as [`per_sample_weight_grad`][convgrad.per_sample.functional.per_sample_weight_grad].
         bias: include the bias gradient ``grad_output`` summed over space (default True).
-        method: ``"auto"`` (default), ``"ghost"``, ``"unfold"`` or ``"conv"``.
+        method: ``"auto"`` (default), ``"ghost"``, ``"unfold"``, ``"conv"`` or ``"native"``.
 
     Returns:
         ``(N,)``, the dtype of input.

@@ -1,12 +1,13 @@
 """The measured choice of a layer's per-sample method, by the tuner of "auto" (``convgrad.backends.auto_tuning``).
 
 Three purposes, each a set of options for one conv layer (x, y: its two sides, see ``methods``):
-    "grads"  all per-sample gradients:            unfold, conv
-    "norms"  per-sample norms only:               ghost, unfold, conv (materialised chunk by chunk, then dropped)
-    "clip"   norms, then the clipped sum (DP-SGD): ghost, unfold, conv, each followed by one more weight-gradient
-             pass on the per-sample-scaled grad_output (Book-Keeping, Bu et al. 2023); and, where the per-sample
-             gradients take no more memory than the (input, grad_output) that pass would keep,
-             unfold+store, conv+store (materialised once, then a weighted sum)
+    "grads"  all per-sample gradients:            unfold, conv, native
+    "norms"  per-sample norms only:               ghost, unfold, conv, native (materialised chunk by chunk, then
+             dropped)
+    "clip"   norms, then the clipped sum (DP-SGD): ghost, unfold, conv, native, each followed by one more
+             weight-gradient pass on the per-sample-scaled grad_output (Book-Keeping, Bu et al. 2023); and, where the
+             per-sample gradients take no more memory than the (input, grad_output) that pass would keep,
+             unfold+store, conv+store, native+store (materialised once, then a weighted sum)
 Options are first pruned by the cost model (multiply-adds, ``estimates``): one estimated over
 ``PRUNE_ESTIMATE`` (4x) the cheapest is never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's
 multiply-adds, and it measured 423 ms against unfold's 36 ms). The rest are screened on the whole batch (a
@@ -15,6 +16,8 @@ small CNN's second conv, per sample: conv 0.17 ms and unfold 0.49 ms on 4 sample
 2 busy shared cores). Unlike a backend, an option's work here is split between the backward and the
 clipping, so a later call cannot run one option whole: the screening alone decides. Choices share auto's mode
 (``CONVGRAD_AUTOTUNE=fixed``: the cost model of ``methods.choose_method``), its cache file and batch buckets.
+"native" (one native weight gradient per sample, see ``methods``) is counted at ``methods.NATIVE_POSITIONS / P``
+times its multiply-adds where a sample has fewer positions P, since one sample's kernel runs slowly there.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from convgrad.spec import ConvSpec
 __all__ = ["PURPOSES", "chosen", "estimates", "method_for", "options"]
 
 PURPOSES = ("grads", "norms", "clip")
-_NAMES = ("ghost", "unfold", "conv", "unfold+store", "conv+store")
+_NAMES = ("ghost", "unfold", "conv", "native", "unfold+store", "conv+store", "native+store")
 Key = tuple[ConvSpec, str, torch.dtype, torch.device, int]
 
 
@@ -56,7 +59,7 @@ def estimates(spec: ConvSpec, purpose: str, store: bool) -> dict[str, float]:
 
     With W = C_y·C_x·T/g weight entries and P positions: materialising is N·P·W (a weight gradient's work),
     the ghost norm N·P²·(C_y + C_x·T), the Book-Keeping pass N·P·W again, a weighted sum of stored gradients
-    N·W, and the norms of stored gradients N·W.
+    N·W, and the norms of stored gradients N·W. "native" materialises at N·P·W·max(1, NATIVE_POSITIONS/P).
 
     Examples:
         >>> from convgrad.per_sample.tuning import estimates
@@ -70,13 +73,14 @@ def estimates(spec: ConvSpec, purpose: str, store: bool) -> dict[str, float]:
     cx, cy = spec.x_channels, spec.y_channels
     w = cy * cx * t // g
     wgrad, ghost = n * p * w, n * p * p * (cy + cx * t)
+    native = wgrad * max(1.0, methods.NATIVE_POSITIONS / max(p, 1))  # one sample's kernel is slow on few positions
     if purpose == "grads":
-        return {"unfold": wgrad, "conv": wgrad}
-    out = {"ghost": ghost, "unfold": wgrad, "conv": wgrad}
+        return {"unfold": wgrad, "conv": wgrad, "native": native}
+    out = {"ghost": ghost, "unfold": wgrad, "conv": wgrad, "native": native}
     if purpose == "clip":
         out = {k: v + wgrad for k, v in out.items()}  # each followed by the Book-Keeping pass
         if store:
-            out.update({"unfold+store": wgrad + 2 * n * w, "conv+store": wgrad + 2 * n * w})
+            out.update({f"{k}+store": out[k] - wgrad + 2 * n * w for k in ("unfold", "conv", "native")})
     return {k: float(v) for k, v in out.items()}
 
 
@@ -126,7 +130,8 @@ def method_for(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, s
         store: "clip" only: whether storing the per-sample gradients is allowed (memory).
 
     Returns:
-        One of "unfold", "conv" ("grads"), "ghost" too ("norms"), and "unfold+store", "conv+store" ("clip").
+        One of "unfold", "conv", "native" ("grads"), "ghost" too ("norms"), and "unfold+store", "conv+store",
+        "native+store" ("clip").
 
     Examples:
         >>> import torch
