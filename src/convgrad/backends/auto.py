@@ -71,7 +71,8 @@ from convgrad.spec import ConvSpec
 __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
 
-CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup")  # those registered take part
+# those registered take part
+CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup", "chunked")
 FIXED_CHOICE = "native"
 MODES = ("tune", "fixed")
 

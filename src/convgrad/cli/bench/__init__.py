@@ -39,7 +39,8 @@ from typing import Any
 
 __all__ = ["DEFAULT_BACKENDS", "add_arguments", "keep_malloc", "run"]
 
-DEFAULT_BACKENDS = ("fwdconv", "gemm", "channels_last", "regroup", "auto")  # plus native, always; numpy: too slow
+# plus native, always; numpy: too slow
+DEFAULT_BACKENDS = ("fwdconv", "gemm", "channels_last", "regroup", "chunked", "auto")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
