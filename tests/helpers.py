@@ -215,3 +215,20 @@ def random_cases(count: int, seed: int) -> list[Case]:
             out.append(Case(case.input_shape, case.weight_shape, case.stride, case.padding, case.dilation, case.groups,
                             case.transposed, case.output_padding, name=f"random{seed}-{len(out)}"))
     return out
+
+
+def assert_gradchecks(backend: str, xs: tuple[int, ...], ws: tuple[int, ...], kw: dict[str, Any],
+                      transposed: bool = False, bias: bool = True, seed: int = 0) -> None:
+    """gradcheck and gradgradcheck (fast mode) of cg.conv (or cg.conv_transpose) with this backend, float64."""
+    import convgrad as cg
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = (xs, ws, (ws[1] * kw.get("groups", 1) if transposed else ws[0],))[:3 if bias else 2]
+    tensors = tuple(torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes)
+    conv = cg.conv_transpose if transposed else cg.conv
+
+    def f(*t: torch.Tensor) -> torch.Tensor:
+        return conv(*t, backend=backend, **kw)
+
+    assert torch.autograd.gradcheck(f, tensors)
+    assert torch.autograd.gradgradcheck(f, tensors, fast_mode=True)

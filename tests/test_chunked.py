@@ -14,7 +14,7 @@ import torch
 import convgrad as cg
 from convgrad.backends import chunked
 from convgrad.spec import ConvSpec
-from helpers import assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
+from helpers import assert_gradchecks, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
 
 BATCHED = [c for c in grid_cases() + random_cases(40, seed=98) if c.input_shape[0] > 1]
 
@@ -47,25 +47,13 @@ def test_chunks_match_autograd_float64(chunk: int, case: Any) -> None:
     ((3, 4, 3, 3, 4), (8, 2, 2, 2, 2), dict(groups=2, stride=(1, 2, 1), padding=((1, 0), (0, 1), (1, 1)))),
 ], ids=str)
 def test_chunks_pass_gradcheck_and_gradgradcheck(chunk: int, xs: tuple, ws: tuple, kw: dict) -> None:
-    g = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in (xs, ws, (ws[0],)))
-
-    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return cg.conv(x, w, b, backend="chunked", **kw)
-
-    assert torch.autograd.gradcheck(f, (x, w, b))
-    assert torch.autograd.gradgradcheck(f, (x, w, b), fast_mode=True)
+    assert_gradchecks("chunked", xs, ws, kw)
 
 
 @pytest.mark.parametrize("chunk", [1], indirect=True)
 def test_chunks_transposed_gradcheck(chunk: int) -> None:
-    g = torch.Generator().manual_seed(2)
-    x, w = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in ((2, 4, 3, 3), (4, 3, 3, 2)))
-
-    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return cg.conv_transpose(x, w, stride=2, groups=2, output_padding=1, backend="chunked")
-
-    assert torch.autograd.gradcheck(f, (x, w)) and torch.autograd.gradgradcheck(f, (x, w), fast_mode=True)
+    assert_gradchecks("chunked", (2, 4, 3, 3), (4, 3, 3, 2), dict(stride=2, groups=2, output_padding=1),
+                      transposed=True, bias=False, seed=2)
 
 
 @pytest.mark.parametrize("chunk", [2], indirect=True)

@@ -14,7 +14,7 @@ import torch
 import convgrad as cg
 from convgrad.backends import regroup
 from convgrad.spec import ConvSpec
-from helpers import assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
+from helpers import assert_gradchecks, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
 
 GROUPED = [c for c in grid_cases() + random_cases(60, seed=99) if c.groups > 1]
 
@@ -46,25 +46,13 @@ def test_merged_groups_match_autograd_float64(merge: int, case: Any) -> None:
     ((1, 4, 3, 3, 4), (8, 2, 2, 2, 2), dict(groups=2, stride=(1, 2, 1), padding=((1, 0), (0, 1), (1, 1)))),
 ], ids=str)
 def test_merged_groups_pass_gradcheck_and_gradgradcheck(merge: int, xs: tuple, ws: tuple, kw: dict) -> None:
-    g = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in (xs, ws, (ws[0],)))
-
-    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return cg.conv(x, w, b, backend="regroup", **kw)
-
-    assert torch.autograd.gradcheck(f, (x, w, b))
-    assert torch.autograd.gradgradcheck(f, (x, w, b), fast_mode=True)
+    assert_gradchecks("regroup", xs, ws, kw)
 
 
 @pytest.mark.parametrize("merge", [2], indirect=True)
 def test_merged_groups_transposed_gradcheck(merge: int) -> None:
-    g = torch.Generator().manual_seed(2)
-    x, w = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in ((1, 4, 3, 3), (4, 3, 3, 2)))
-
-    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return cg.conv_transpose(x, w, stride=2, groups=2, output_padding=1, backend="regroup")
-
-    assert torch.autograd.gradcheck(f, (x, w)) and torch.autograd.gradgradcheck(f, (x, w), fast_mode=True)
+    assert_gradchecks("regroup", (1, 4, 3, 3), (4, 3, 3, 2), dict(stride=2, groups=2, output_padding=1),
+                      transposed=True, bias=False, seed=2)
 
 
 @pytest.mark.parametrize("merge", [2], indirect=True)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from convgrad.spec import ConvSpec
 
-__all__ = ["Backend", "backend_names", "get_backend", "register", "traceable_names"]
+__all__ = ["Backend", "FusedBackend", "backend_names", "get_backend", "register", "traceable_names"]
 
 _REGISTRY: dict[str, Backend] = {}
 _loaded = False  # not `not _REGISTRY`: importing one backend module directly registers it alone
@@ -83,6 +83,23 @@ class Backend(ABC):
 
         gi, gw = self.backward(spec, grad_output, input, weight, need_input, need_weight)
         return like_torch(spec, grad_output, input, weight, gi, gw)
+
+
+class FusedBackend(Backend):
+    """A backend that computes both gradients in one ``backward``; each gradient alone is that backward with the
+    other not asked for (the tensor it would need passed as None)."""
+
+    @abstractmethod
+    def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
+                 weight: torch.Tensor | None, need_input: bool, need_weight: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both gradients (None where not needed); ``input`` or ``weight`` is None when only the other's is."""
+
+    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        return self.backward(spec, grad_output, None, weight, True, False)[0]  # type: ignore[return-value]
+
+    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        return self.backward(spec, grad_output, input, None, False, True)[1]  # type: ignore[return-value]
 
 
 def register(cls: _B) -> _B:

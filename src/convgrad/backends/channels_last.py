@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from convgrad._ops import plain
-from convgrad.backends import Backend, get_backend, register
+from convgrad.backends import FusedBackend, get_backend, register
 from convgrad.spec import ConvSpec
 
 __all__ = ["ChannelsLastBackend", "LayoutPlan", "execute", "plan"]
@@ -160,7 +160,7 @@ def execute(p: LayoutPlan, grad_output: torch.Tensor, input: torch.Tensor | None
 
 
 @register
-class ChannelsLastBackend(Backend):
+class ChannelsLastBackend(FusedBackend):
     """PyTorch's own kernels on channels-last copies of the operands (see the module docstring for when it pays)."""
 
     name = "channels_last"
@@ -177,9 +177,3 @@ class ChannelsLastBackend(Backend):
                  weight: torch.Tensor | None, need_input: bool, need_weight: bool
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return execute(plan(spec), grad_output, input, weight, need_input, need_weight)
-
-    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, None, weight, True, False)[0]  # type: ignore[return-value]
-
-    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, input, None, False, True)[1]  # type: ignore[return-value]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad.backends import Backend, get_backend, register
+from convgrad.backends import FusedBackend, get_backend, register
 from convgrad.spec import ConvSpec
 
 __all__ = ["CHUNK_BYTES", "ChunkPlan", "ChunkedBackend", "chunk_size", "execute", "plan"]
@@ -131,7 +131,7 @@ def execute(p: ChunkPlan, grad_output: torch.Tensor, input: torch.Tensor | None,
 
 
 @register
-class ChunkedBackend(Backend):
+class ChunkedBackend(FusedBackend):
     """PyTorch's kernels on chunks of the batch of at most CHUNK_BYTES (see the module docstring)."""
 
     name = "chunked"
@@ -146,9 +146,3 @@ class ChunkedBackend(Backend):
     def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
                  weight: torch.Tensor | None, need_input: bool, need_weight: bool) -> Grads:
         return execute(plan(spec, grad_output.element_size()), grad_output, input, weight, need_input, need_weight)
-
-    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, None, weight, True, False)[0]  # type: ignore[return-value]
-
-    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, input, None, False, True)[1]  # type: ignore[return-value]

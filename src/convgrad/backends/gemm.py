@@ -48,7 +48,7 @@ import itertools
 import torch
 
 from convgrad._ops import add_product_, batched_like, pad, plain, sliced
-from convgrad.backends import Backend, register
+from convgrad.backends import FusedBackend, register
 from convgrad.spec import ConvSpec
 
 __all__ = ["CHUNK_TARGET_BYTES", "DEFAULT_MAX_WORKSPACE_BYTES", "GemmBackend", "chunking"]
@@ -162,7 +162,7 @@ def _add(acc: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class GemmBackend(Backend):
+class GemmBackend(FusedBackend):
     """im2col + batched GEMM + col2im, chunked so that the column buffer stays under max_workspace_bytes.
 
     Attributes:
@@ -257,9 +257,3 @@ class GemmBackend(Backend):
             if need_input:
                 gi = _add(gi, torch.bmm(wmat[:, :, wc], cols))  # type: ignore[index]  # (g, A, Nc*P)
         return (None if gi is None else _y_tensor(spec, gi, grad_output.shape[0])), gws
-
-    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, None, weight, True, False)[0]  # type: ignore[return-value]
-
-    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, input, None, False, True)[1]  # type: ignore[return-value]

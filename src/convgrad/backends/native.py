@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from convgrad._ops import pad, placeholder
-from convgrad.backends import Backend, register
+from convgrad.backends import FusedBackend, register
 from convgrad.spec import ConvSpec
 
 
@@ -65,7 +65,7 @@ def _convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight
 
 
 @register
-class NativeBackend(Backend):
+class NativeBackend(FusedBackend):
     """aten.convolution_backward: whatever kernel PyTorch picks for this device and dtype."""
 
     name = "native"
@@ -101,9 +101,3 @@ class NativeBackend(Backend):
         if gi is not None and not spec.transposed:
             gi = pad(gi, [(-lo, -hi) for lo, hi in excess])
         return (gi if need_input else None), (gw if need_weight else None)
-
-    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, None, weight, True, False)[0]  # type: ignore[return-value]
-
-    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, input, None, False, True)[1]  # type: ignore[return-value]

@@ -14,14 +14,14 @@ import numpy as np
 import torch
 
 from convgrad import numpy as cgn
-from convgrad.backends import Backend, register, traceable_names
+from convgrad.backends import FusedBackend, register, traceable_names
 from convgrad.spec import ConvSpec
 
 DTYPES = (torch.float32, torch.float64)
 
 
 @register
-class NumpyBackend(Backend):
+class NumpyBackend(FusedBackend):
     """NumPy's sliding windows and matmul; first derivatives only."""
 
     name = "numpy"
@@ -53,9 +53,3 @@ class NumpyBackend(Backend):
         w = self._array(spec, "weight", weight if need_input else None)
         gi, gw = cgn.backward(spec, gy, x, w, need_input, need_weight)  # type: ignore[arg-type]
         return (None if gi is None else torch.from_numpy(gi)), (None if gw is None else torch.from_numpy(gw))
-
-    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, None, weight, True, False)[0]  # type: ignore[return-value]
-
-    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, input, None, False, True)[1]  # type: ignore[return-value]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad.backends import Backend, get_backend, register
+from convgrad.backends import FusedBackend, get_backend, register
 from convgrad.spec import ConvSpec
 
 __all__ = ["MAX_MERGE", "VECTOR_CHANNELS", "BlockDiagonal", "DiagonalBlocks", "RegroupBackend", "RegroupPlan",
@@ -137,7 +137,7 @@ def execute(p: RegroupPlan, grad_output: torch.Tensor, input: torch.Tensor | Non
 
 
 @register
-class RegroupBackend(Backend):
+class RegroupBackend(FusedBackend):
     """PyTorch's kernels with the groups merged into groups of 16 channels (see the module docstring)."""
 
     name = "regroup"
@@ -152,9 +152,3 @@ class RegroupBackend(Backend):
                  weight: torch.Tensor | None, need_input: bool, need_weight: bool
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return execute(plan(spec), grad_output, input, weight, need_input, need_weight)
-
-    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, None, weight, True, False)[0]  # type: ignore[return-value]
-
-    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        return self.backward(spec, grad_output, input, None, False, True)[1]  # type: ignore[return-value]
