@@ -88,3 +88,14 @@ def test_chunk_size_keeps_a_chunk_within_its_bytes_in_equal_chunks() -> None:
     assert chunked.ChunkedBackend.can_serve(spec(32, 64, 32), like)
     assert not chunked.ChunkedBackend.can_serve(spec(32, 256, 8), like)
     assert not chunked.ChunkedBackend.can_serve(spec(32, 64, 32), torch.zeros(1, device="meta"))
+
+
+@pytest.mark.parametrize("chunk", [1], indirect=True)
+@pytest.mark.parametrize(("dtype", "n"), [(torch.bfloat16, 1000), (torch.float16, 3000)])
+def test_half_precision_sums_the_chunks_in_float32(chunk: int, dtype: torch.dtype, n: int) -> None:
+    # n chunks of one sample, each a grad_weight of 1: a half-precision running sum of them stalls (bfloat16 at
+    # 256, float16 at 2,048); native's kernel sums its batch in float32 (docs/numerics.md, "Half precision")
+    x = torch.ones(n, 1, 1, 1, dtype=dtype)
+    _, gw, _ = cg.conv_backward(x, x, torch.ones(1, 1, 1, 1, dtype=dtype), None, output_mask=(False, True, False),
+                                backend="chunked")
+    assert gw.dtype == dtype and gw.item() == n

@@ -20,6 +20,7 @@ of 8 for the 64-channel 32x32 layer, 16 at 16x16, the whole batch of 32 at 8x8, 
 at least one, the batch split into equal chunks. ``plan(spec, itemsize)`` lists the steps (each has
 ``describe()``); ``execute`` runs them. Every step is a torch op (slices, the native backward, a
 concatenation, a sum), so gradients of any order and torch.func transforms work as they do for native.
+float16 and bfloat16 sum the chunks' grad_weight in float32, as native's kernel sums the batch.
 """
 
 from __future__ import annotations
@@ -125,8 +126,14 @@ def execute(p: ChunkPlan, grad_output: torch.Tensor, input: torch.Tensor | None,
     gis, gws = p.run(grad_output, input, weight, need_input, need_weight)
     gi = torch.cat(gis) if need_input else None  # (N, C_in, *i)
     gw = None
-    for g in gws:
-        gw = g if gw is None else gw + g  # (*weight_shape)
+    if gws:
+        # half precision sums the chunks in float32, as native's kernel sums the batch: a bfloat16 running sum
+        # stalls at 256 chunks' worth (docs/numerics.md, "Half precision")
+        low = gws[0].dtype in (torch.float16, torch.bfloat16)
+        for g in gws:
+            g = g.float() if low else g
+            gw = g if gw is None else gw + g  # (*weight_shape)
+        gw = gw.to(gws[0].dtype) if low else gw  # type: ignore[union-attr]
     return gi, gw
 
 
