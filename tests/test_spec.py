@@ -81,6 +81,18 @@ def test_from_shapes_remembers_a_spec_but_still_checks_each_type() -> None:
     assert ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), 1, 1, fn="other").fn == "other"
 
 
+def test_from_shapes_remembers_a_subclass_apart() -> None:
+    """from_shapes builds cls: a subclass called with the arguments of a remembered ConvSpec gets its own class."""
+    class Sub(ConvSpec):
+        pass
+
+    args = ((2, 4, 9, 9), (6, 4, 3, 3), 2, 1)
+    assert type(ConvSpec.from_shapes(*args, fn="sub")) is ConvSpec
+    assert type(Sub.from_shapes(*args, fn="sub")) is Sub
+    assert type(Sub.from_shapes(*args, 2, fn="sub")) is Sub
+    assert type(ConvSpec.from_shapes(*args, 2, fn="sub")) is ConvSpec
+
+
 F = "conv_weight_grad"
 BAD: list[tuple[dict, type, str]] = [
     (dict(stride=0), ValueError, r"conv_weight_grad: stride=0 must be positive"),

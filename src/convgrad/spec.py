@@ -232,10 +232,11 @@ class ConvSpec:
             ValueError: any value out of range or inconsistent with the shapes.
         """
         args = (input_shape, weight_shape, stride, padding, dilation, transposed, output_padding, groups, fn)
-        # 1.0 == 1 and True == 1: only exact types share an entry
-        key = args if type(transposed) is bool and all(map(_exact, args[:5] + args[6:])) else None
-        if key is not None and key in _SPECS:
-            return _SPECS[key]
+        # 1.0 == 1 and True == 1: only exact types share an entry; a subclass builds its own class
+        key = (cls, *args) if type(transposed) is bool and all(map(_exact, args[:5] + args[6:])) else None
+        remembered = None if key is None else _SPECS.get(key)  # one lookup: another thread may clear it
+        if remembered is not None:
+            return remembered
         spec = cls._validated(*args)
         if key is not None:
             if len(_SPECS) >= _MAX_SPECS:
