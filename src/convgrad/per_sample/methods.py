@@ -144,8 +144,18 @@ def im2col(spec: ConvSpec, x: torch.Tensor, reuse: bool = False) -> torch.Tensor
     x = sliced(x, [slice(None, None, d) for d in spec.dilation])  # (n, C_x, *o, *k)
     nd = spec.n
     x = x.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))  # (n, C_x, *k, *o)
-    buf = (scratch if reuse else empty)(tuple(x.shape), x).copy_(x)  # (n, C_x, *k, *o), contiguous
+    if reuse or _writable(x):
+        buf = (scratch if reuse else empty)(tuple(x.shape), x).copy_(x)  # (n, C_x, *k, *o), contiguous
+    else:  # in a graph or under a transform: an ordinary copy, which autograd and vmap follow
+        buf = x.contiguous()  # (n, C_x, *k, *o)
     return buf.view(n, g, spec.x_channels // g * spec.taps, spec.positions)  # (n, g, C_x/g·T, P)
+
+
+def _writable(*tensors: torch.Tensor) -> bool:
+    """Whether results may be written into fresh buffers (``out=``, ``copy_``): plain tensors outside autograd's
+    graph. A tensor that requires grad (with grad enabled) or a transform's wrapper (vmap) takes ordinary ops."""
+    graph = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return not graph and all(plain(t) for t in tensors)
 
 
 def _y_rows(spec: ConvSpec, y: torch.Tensor) -> torch.Tensor:
@@ -155,16 +165,21 @@ def _y_rows(spec: ConvSpec, y: torch.Tensor) -> torch.Tensor:
 def _unfold(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     n, g = spec.batch, spec.groups
     cyg, cxt = spec.y_channels // g, spec.x_channels // g * spec.taps
-    if out is None:
+    writable = _writable(x, y)
+    if out is None and writable:
         out = empty((n, spec.y_channels, cxt), x)  # (N, C_y, C_x/g·T), the weight's layout per sample
-    out = out.view(n, spec.y_channels, cxt)
-    reuse = plain(x) and not torch.is_grad_enabled()
+    reuse = writable and plain(x) and not torch.is_grad_enabled()
+    parts = []
     for c in _chunks(n, spec.x_channels * spec.taps * spec.positions):
         u = im2col(spec, x[c], reuse)  # (n', g, C_x/g·T, P)
         m = u.shape[0]
-        torch.bmm(_y_rows(spec, y[c]).reshape(m * g, cyg, -1), u.reshape(m * g, cxt, -1).transpose(1, 2),
-                  out=out[c].view(m * g, cyg, cxt))  # (n'·g, C_y/g, C_x/g·T)
-    return out.view(n, *spec.weight_shape)
+        a, b = _y_rows(spec, y[c]).reshape(m * g, cyg, -1), u.reshape(m * g, cxt, -1).transpose(1, 2)
+        if out is None:  # in a graph or under vmap: bmm without out=, which neither supports
+            parts.append(torch.bmm(a, b).reshape(m, spec.y_channels, cxt))  # (n', C_y, C_x/g·T)
+        else:
+            torch.bmm(a, b, out=out.view(n, spec.y_channels, cxt)[c].view(m * g, cyg, cxt))  # (n'·g, C_y/g, ..)
+    gw = torch.cat(parts) if out is None else out
+    return gw.view(n, *spec.weight_shape)
 
 
 def _conv(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
