@@ -12,6 +12,12 @@ the bar a backward is measured against: grad_input and grad_weight each do one f
 multiply-adds, so a backward that runs at its forward's efficiency takes 2x the forward. The
 matmul is ``torch.matmul`` of two m x m matrices with 2*m^3 ~= the FLOPs of one gradient: the
 machine's dense throughput, measured in the same run, is the reference for the physical limit.
+
+``auto`` is timed as a training run meets it after its first steps: before the rounds, its calls run until
+each of its three choices has settled (auto compares the surviving candidates on the calls that follow its
+tuning, running the slower ones in turn). Timed while still comparing, auto's figure mixed in its losing
+candidates: in a float64 run it measured 1.22x native on a layer where it had chosen native for all three
+tasks. The cost of tuning and settling is what ``benchmarks/first_step.py`` reports.
 """
 
 from __future__ import annotations
@@ -150,6 +156,18 @@ def _round_order(backends: list[str], r: int) -> list[tuple[str, str]]:
     return [*order, ("matmul", "")]
 
 
+_SETTLE_CALLS = 200  # auto compares at most 7 rounds of two calls per surviving candidate
+
+
+def _settle(choice: Callable[[], Any], call: Callable[[], Any]) -> None:
+    """Call auto until its choice has no comparison pending (at most _SETTLE_CALLS calls)."""
+    for _ in range(_SETTLE_CALLS):
+        current = choice()
+        if current is None or not current.pending:
+            return
+        call()
+
+
 def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.device, threads: int, repeats: int,
                min_time: float, channels_last: bool = False) -> Iterator[LayerTiming]:
     """Time one layer in rounds; yields the (growing) result after every round, for progress bars."""
@@ -168,9 +186,15 @@ def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.devi
         if "auto" in names:
             from convgrad.backends import auto
 
-            for gradient in ("grad_input", "grad_weight", "both"):
-                choice = auto.chosen(t["spec"], gradient, t["grad_output"])
-                result.auto_choice[gradient] = choice.backend if choice else auto.FIXED_CHOICE
+            previous = torch.get_num_threads()  # auto keys its choices by the thread count the Timers run with
+            torch.set_num_threads(threads)
+            try:
+                for gradient in ("grad_input", "grad_weight", "both"):
+                    _settle(lambda g=gradient: auto.chosen(t["spec"], g, t["grad_output"]), fns["auto", gradient])
+                    choice = auto.chosen(t["spec"], gradient, t["grad_output"])
+                    result.auto_choice[gradient] = choice.backend if choice else auto.FIXED_CHOICE
+            finally:
+                torch.set_num_threads(previous)
         for r in range(repeats):
             for key in _round_order(names, r):
                 seconds = timers[key].timeit(numbers[key]).mean
