@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -123,7 +124,7 @@ def test_auto_is_timed_once_its_choices_have_settled() -> None:
     from convgrad.backends import auto
 
     layer = next(lay for lay in layers.SUITES["default"] if lay.name == "resnet50.1x1s2down")
-    small = layer.__class__(**{**layer.__dict__, "input_shape": (8, 16, 12, 12), "weight_shape": (32, 16, 1, 1)})
+    small = dataclasses.replace(layer, input_shape=(8, 16, 12, 12), weight_shape=(32, 16, 1, 1))
     auto.clear()
     with auto.tuning_mode("tune"):
         result = next(timing.time_layer(small, "float32", ["native", "fwdconv", "gemm", "auto"],

@@ -529,6 +529,22 @@ class ConvSpec:
                        stride=(1, *self.stride), padding=((0, 0), *self.padding),
                        dilation=(1, *self.dilation), output_padding=(0, *self.output_padding))
 
+    def with_batch(self, batch: int) -> ConvSpec:
+        """The same convolution on ``batch`` samples (a chunk or slice of the batch, a batch bucket); itself when
+        the batch is unchanged.
+
+        Raises:
+            ValueError: a negative batch.
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((32, 4, 9, 9), (6, 4, 3, 3))
+            >>> spec.with_batch(8).input_shape, spec.with_batch(32) is spec
+            ((8, 4, 9, 9), True)
+        """
+        if batch < 0:
+            raise ValueError(f"{self.fn}: batch={batch} must be >= 0")
+        return self if batch == self.batch else replace(self, batch=batch)
+
     def with_merged_groups(self, merge: int) -> ConvSpec:
         """The same operands as a convolution with ``merge`` consecutive groups merged into one, ``groups // merge``
         groups: its weight is ``(C_out, merge * C_in/groups, *k)`` (transposed: ``(C_in, merge * C_out/groups, *k)``).

@@ -160,13 +160,13 @@ def _key(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Key:
     """(spec with its batch bucketed, gradient, dtype, device, channels last, CPU threads): what a choice depends on."""
     last = like.dim() >= 3 and like.shape[1] > 1 and like.stride(1) == 1 and not like.is_contiguous()
     threads = torch.get_num_threads() if like.device.type == "cpu" else 0
-    return _bucketed(spec), gradient, like.dtype, like.device, last, threads
+    return bucketed(spec), gradient, like.dtype, like.device, last, threads
 
 
 @functools.lru_cache(maxsize=1024)
-def _bucketed(spec: ConvSpec) -> ConvSpec:
+def bucketed(spec: ConvSpec) -> ConvSpec:
     """The spec with its batch bucketed (cached: every call of every layer looks its choice up)."""
-    return dataclasses.replace(spec, batch=batch_bucket(spec.batch))
+    return spec.with_batch(batch_bucket(spec.batch))
 
 
 def _key_text(key: Key) -> str:
@@ -214,7 +214,7 @@ def _head(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 def _sub(spec: ConvSpec, n: int) -> ConvSpec:
     """The spec of the first n samples."""
-    return spec if n == spec.batch else dataclasses.replace(spec, batch=n)
+    return spec.with_batch(n)
 
 
 def _shares_work(backend: Backend) -> bool:

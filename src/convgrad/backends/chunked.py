@@ -25,7 +25,6 @@ float16 and bfloat16 sum the chunks' grad_weight in float32, as native's kernel 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -80,7 +79,7 @@ class NativeOnChunks:
         native, gis, gws = get_backend("native"), [], []
         for a in range(0, self.spec.batch, self.chunk):
             part = slice(a, a + self.chunk)
-            sub = dataclasses.replace(self.spec, batch=len(range(a, min(a + self.chunk, self.spec.batch))))
+            sub = self.spec.with_batch(min(self.chunk, self.spec.batch - a))
             gi, gw = native.backward(sub, grad_output[part], None if input is None else input[part], weight,
                                      need_input, need_weight)
             gis += [] if gi is None else [gi]  # (chunk, C_in, *i)
@@ -106,7 +105,15 @@ class ChunkPlan:
 
 
 def plan(spec: ConvSpec, itemsize: int = 4, chunk: int | None = None) -> ChunkPlan:
-    """The chunked plan of a convolution; ``chunk`` defaults to ``chunk_size(spec, itemsize)``.
+    """The chunked plan of a convolution.
+
+    Args:
+        spec: the convolution (batched), as ``ConvSpec.from_shapes`` builds it.
+        itemsize: bytes per element of its tensors (default 4, float32).
+        chunk: samples per chunk; default ``chunk_size(spec, itemsize)``.
+
+    Returns:
+        A ``ChunkPlan`` whose ``describe()`` lists the steps and which ``execute`` runs.
 
     Examples:
         >>> from convgrad.spec import ConvSpec

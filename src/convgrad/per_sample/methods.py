@@ -28,7 +28,6 @@ import ctypes.util
 import functools
 import math
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -202,7 +201,7 @@ def _conv(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """One native weight gradient per sample, written into out (N, *weight_shape) (fresh when None)."""
-    native, one = get_backend("native"), replace(spec, batch=1)
+    native, one = get_backend("native"), spec.with_batch(1)
     inp, gy = (y, x) if spec.transposed else (x, y)  # the conv's input and grad_output
     if out is None:
         out = empty((spec.batch, *spec.weight_shape), x)  # (N, *weight_shape)
@@ -262,4 +261,4 @@ def ghost_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Te
 def _batch(spec: ConvSpec, c: slice, n: int) -> ConvSpec:
     """The spec of a chunk of the batch."""
     size = len(range(*c.indices(n)))
-    return spec if size == spec.batch else replace(spec, batch=size)
+    return spec.with_batch(size)

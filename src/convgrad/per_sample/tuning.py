@@ -43,7 +43,7 @@ Key = tuple[ConvSpec, str, torch.dtype, torch.device, int]
 
 def _key(spec: ConvSpec, purpose: str, like: torch.Tensor) -> Key:
     threads = torch.get_num_threads() if like.device.type == "cpu" else 0
-    return dataclasses.replace(spec, batch=auto.batch_bucket(spec.batch)), purpose, like.dtype, like.device, threads
+    return auto.bucketed(spec), purpose, like.dtype, like.device, threads
 
 
 def _key_text(key: Key) -> str:
@@ -99,7 +99,7 @@ def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str,
     names = estimates(spec, purpose, store)
 
     def sub(n: int) -> tuple[ConvSpec, torch.Tensor, torch.Tensor]:
-        return (spec, x, y) if n == spec.batch else (dataclasses.replace(spec, batch=n), x[:n], y[:n])
+        return (spec, x, y) if n == spec.batch else (spec.with_batch(n), x[:n], y[:n])
 
     def book_keeping(s: ConvSpec, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         inp, gy = (ys, xs) if s.transposed else (xs, ys)
