@@ -110,6 +110,21 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize(("input_size", "weight_size", "kw"), [
+    ((2, 4, 7, 8), (4, 2, 3, 2), dict(stride=(2, 3), padding=((1, 0), (0, 1)), groups=2)),
+    ((1, 3, 5, 6, 6), (3, 1, 3, 3, 3), dict(stride=(1, 2, 2), padding=1, groups=3)),
+    ((2, 2, 3, 2), (2, 1, 3, 4), dict(stride=(2, 3), transposed=True, output_padding=(1, 0))),
+])
+def test_script_of_the_phases_weight_plan_matches_autograd(input_size: tuple[int, ...], weight_size: tuple[int, ...],
+                                                           kw: dict[str, Any], capsys: Any) -> None:
+    """The phases plan's code (a pad and a reshape) is the same sum as its one-copy __call__."""
+    source = convgrad.explain(input_size, weight_size, weight_method="phases", **kw).to_python()
+    namespace: dict[str, Any] = {"__name__": "recipe"}
+    exec(compile(source, "recipe.py", "exec"), namespace)
+    namespace["main"]()  # asserts every gradient against autograd
+    assert "recipe matches torch autograd" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("case", SCRIPT_CASES, ids=str)
 def test_script_matches_autograd_with_no_backward_op_before_the_check(case: Case, capsys: Any) -> None:
     source = convgrad.explain(case.input_shape, case.weight_shape, case.stride, case.padding, case.dilation,

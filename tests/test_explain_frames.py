@@ -160,6 +160,8 @@ EXAMPLES = [  # the cases where pictures go wrong: each gets its own run in the 
     _c((1, 3, 4), (3, 1, 1), stride=2, groups=3, transposed=True, output_padding=1),  # 1x1: matmuls, Subsample
     _c((1, 2, 4, 4), (2, 2, 1, 1)),  # stride 1, 1x1: the matmul plan
     _c((1, 2, 5), (4, 2, 5), padding=((1, 1),)),  # a kernel covering its whole input
+    _c((1, 2, 7, 8), (2, 1, 3, 2), "polyphase", "phases", stride=(2, 3), padding=((1, 0), (0, 1)), groups=2),
+    _c((1, 2, 3, 2), (2, 1, 3, 4), None, "phases", stride=(2, 3), transposed=True, output_padding=(1, 0)),
 ]
 
 

@@ -260,6 +260,12 @@ def test_every_input_formulation_matches_autograd(case: Case, method: str) -> No
     assert_matches_autograd({"grad_input": gi}, reference_grads(case, t), torch.float64, f"{method} {case}")
 
 
+def _refuses(method: str, spec: Any) -> bool:
+    """The weight formulations that cannot serve a spec: blocks needs stride 1, phases dilation 1."""
+    return (method == "blocks" and any(s > 1 for s in spec.stride)) or (
+        method == "phases" and any(d > 1 for d in spec.dilation))
+
+
 @pytest.mark.parametrize("method", WEIGHT_METHODS)
 @pytest.mark.parametrize("case", _forced_cases(), ids=str)
 def test_every_weight_formulation_matches_autograd(case: Case, method: str) -> None:
@@ -267,7 +273,7 @@ def test_every_weight_formulation_matches_autograd(case: Case, method: str) -> N
     try:
         plan = plan_weight_grad(spec, method)
     except ValueError:
-        assert method == "blocks" and any(s > 1 for s in spec.stride)
+        assert _refuses(method, spec)
         return
     t = make_tensors(case)
     x, gy = t["input"], t["grad_output"]
@@ -370,6 +376,6 @@ def test_fwdconv_never_dispatches_a_backward_or_transposed_convolution(case: Cas
             if method != "subpixel" or spec.subpixel_taps is not None:
                 execute(plan_input_grad(spec, method), gy, t["weight"])
         for method in WEIGHT_METHODS:
-            if method != "blocks" or all(s == 1 for s in spec.stride):
+            if not _refuses(method, spec):
                 execute(plan_weight_grad(spec, method), *((gy, x) if spec.transposed else (x, gy)))
     assert not any("backward" in name or transposed for name, transposed in log.ops), log.ops

@@ -175,7 +175,7 @@ CHUNK_MAX_CHANNELS = 8
 # and 4 taps) 4.2 / 5.8 ms (native 3.8 ms); depthwise 1d k3/2 (512 channels, 4000 long) 9.8 / 12.7 ms (native 16.7).
 TAPS_MAX_PHASE_TAPS = 4
 INPUT_METHODS = ("zero_insert", "polyphase", "subpixel")
-WEIGHT_METHODS = ("kernel", "per_sample", "taps", "blocks")
+WEIGHT_METHODS = ("kernel", "per_sample", "taps", "blocks", "phases")
 
 
 def _input_method(spec: ConvSpec) -> tuple[str, str]:

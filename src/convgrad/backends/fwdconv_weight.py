@@ -5,6 +5,7 @@ Contractions, per group (x: big side, y: small side, T taps, P positions of y; D
     per_sample  [C_x/g, N*g, x] * [N*C_y, 1, o], groups N*g -> per-sample gradients, summed over N
     taps        the windows of the T taps folded into the batch: [C_x/g*T, N*P] x [N*P, C_y/g] (a matmul)
     blocks      stride 1, dilation d: blocks of d rows folded into channels, a stride-1 conv (space to depth)
+    phases      stride s, dilation 1: x's phases rho::s folded into channels, per-sample stride-1 convs
 
 Each builder returns (data steps, kernel steps, contraction, post steps) for fwdconv.plan_weight_grad.
 """
@@ -15,6 +16,7 @@ import math
 
 import torch
 
+from convgrad.backends.fwdconv_phases import PhasesToKernel, StrideToDepth
 from convgrad.backends.fwdconv_plan import BatchIntoChannels, Conv, Pad, Step, SwapBatchChannels, pad_or_fold
 from convgrad.backends.fwdconv_steps import (
     BatchIntoGroups,
@@ -43,10 +45,16 @@ def weight_method(spec: ConvSpec) -> tuple[str, str]:
     channels per group (depthwise 0.74-1.14 vs kernel 4.2-5.7, the RGB stem 1.7 vs 2.4-2.7, wav2vec2's
     C_in = 1 conv 1.15 vs 2.0-2.2) and for batches of 1-2 (wav2vec2 0.91 vs 1.2, R3D 1.0 vs 1.3); blocks
     for the DeepLab ASPP rate 12 (1.9 vs 3.7-3.9); kernel 0.64-1.6 elsewhere (ResNeXt's 4 channels per
-    group: 0.64-0.73 vs per_sample 1.4-1.5).
+    group: 0.64-0.73 vs per_sample 1.4-1.5). phases for strided 3d depthwise convs (2 threads, float32, ms, paired
+    in one process, phases / per_sample / native): X3D-M's 3x3x3 stride (1, 2, 2) at batch 2 13.3 / 31 / 21 and at
+    batch 8 51-74 / 134 / 81, a 5x5x5 one 6.6-8.3 / 31-48 / 23, stride (2, 2, 2) 22.6 / 26 / 11.6; where oneDNN runs
+    the dilated per-sample kernel slowly. In 2d it loses (MobileNetV2 3x3/2: 8.8-9.6 / 3.8-4.2 / 3.8), and for the
+    3-channel 3d stem (62-65 / 43-46 / 17).
     """
     if spec.taps <= math.prod(spec.stride):
         return "taps", "tap windows do not overlap (e.g. 1x1, or k <= s): im2col by taps copies at most x; a matmul"
+    if spec.n == 3 and spec.x_channels == spec.groups and max(spec.stride) > 1 and max(spec.dilation) == 1:
+        return "phases", "strided 3d depthwise: the phases of x make per-sample stride-1 convs, not dilated ones"
     if spec.x_channels // spec.groups <= PER_SAMPLE_MAX_CHANNELS:
         return "per_sample", (f"at most {PER_SAMPLE_MAX_CHANNELS} input channels per group (depthwise, RGB, audio): "
                               f"per-sample convs, summed")
@@ -159,4 +167,23 @@ def _blocks_plan(spec: ConvSpec) -> _Parts:
     return data_steps, kernel_steps, conv, (SwapBatchChannels(spec.weight_shape),)
 
 
-BUILDERS = {"kernel": _kernel_plan, "per_sample": _per_sample_plan, "taps": _taps_plan, "blocks": _blocks_plan}
+def _phases_plan(spec: ConvSpec) -> _Parts:
+    """Stride s, dilation 1: x's phases rho::s become channels, so each sample's conv is a stride-1 one.
+
+    Each phase gets q = ceil(k/s) taps per dim; a phase with fewer real taps computes a few surplus results,
+    which PhasesToKernel drops. x is padded to s*(o + q - 1) rows, the rows the phases read.
+    """
+    if any(d > 1 for d in spec.dilation):
+        raise ValueError(f"plan_weight_grad: method='phases' needs dilation 1 in every dim; {spec.describe()}")
+    g, cx, cy, n_, s = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.stride
+    q = tuple(-(-k // si) for k, si in zip(spec.kernel_size, s))
+    rows = tuple(si * (o + qi - 1) for si, o, qi in zip(s, spec.y_size, q))
+    pads = tuple((lo, hi + r - size) for (lo, hi), r, size in zip(spec.x_read_pads, rows, spec.x_read_size))
+    data_steps = (StrideToDepth(s, g, pads, (cx // g * math.prod(s), n_ * g, *(r // si for r, si in zip(rows, s)))),)
+    conv = Conv((1,) * spec.n, (0,) * spec.n, (1,) * spec.n, n_ * g, (cx // g * math.prod(s), n_ * cy, *q))
+    post = (SumSamples(n_, (cx // g * math.prod(s), cy, *q)), PhasesToKernel(s, spec.weight_shape))
+    return data_steps, (SamplesIntoChannels((n_ * cy, 1, *spec.y_size)),), conv, post
+
+
+BUILDERS = {"kernel": _kernel_plan, "per_sample": _per_sample_plan, "taps": _taps_plan, "blocks": _blocks_plan,
+            "phases": _phases_plan}

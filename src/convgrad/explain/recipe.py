@@ -358,7 +358,7 @@ def explain(
         method: a formulation to show instead of the one the backend's rules choose, applied to whichever
             computation has it: one of ``fwdconv.INPUT_METHODS`` (``zero_insert``, the textbook form,
             ``polyphase``, ``subpixel``) or ``fwdconv.WEIGHT_METHODS`` (``kernel``, ``per_sample``, ``taps``,
-            ``blocks``). Default None.
+            ``blocks``, ``phases``). Default None.
         input_method: the formulation of x from y (grad_input of a forward conv; the forward pass of a
             transposed one, as the pictures draw it), one of ``INPUT_METHODS``. Default None.
         weight_method: the formulation of grad_weight, one of ``WEIGHT_METHODS``. Default None.
@@ -369,7 +369,7 @@ def explain(
     Raises:
         TypeError, ValueError: invalid hyperparameters or shapes, as ``convgrad.ConvSpec``; an unknown method,
             or one that cannot serve the configuration (sub-pixel needs the dilation to divide the stride,
-            blocks needs stride 1).
+            blocks needs stride 1, phases dilation 1).
 
     Source: docs/derivation.md.
 
