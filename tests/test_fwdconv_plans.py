@@ -311,6 +311,25 @@ def test_channels_last_grad_input_stays_channels_last(shape: tuple[int, ...], we
     torch.testing.assert_close(gi, expected, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("shape, weight, kw", [
+    ((2, 6, 5, 9, 8), (6, 1, 3, 3, 3), dict(stride=(1, 2, 2), padding=1, groups=6)),  # X3D-like, the rule's case
+    ((3, 4, 9, 7), (6, 2, 3, 2), dict(stride=(2, 3), padding=((1, 0), (0, 1)), groups=2)),
+])
+def test_channels_last_phases_split_stays_channels_last(shape: tuple[int, ...], weight: tuple[int, ...],
+                                                        kw: dict[str, Any]) -> None:
+    """The phases of a channels-last x are channels last (oneDNN's depthwise convs want no reorder), same sums."""
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    spec = _spec(shape, weight, **kw)
+    x, gy = torch.randn(shape), torch.randn(spec.output_shape)
+    plan = plan_weight_grad(spec, "phases")
+    phases = plan.data_steps[0](x.contiguous(memory_format=fmt))
+    assert phases.is_contiguous(memory_format=fmt) and not phases.is_contiguous()
+    torch.testing.assert_close(phases, plan.data_steps[0](x), rtol=0, atol=0)
+    gw = execute(plan, x.contiguous(memory_format=fmt), gy.contiguous(memory_format=fmt))
+    expected = cg.backends.get_backend("native").weight_grad(spec, x, gy)
+    torch.testing.assert_close(gw, expected, **TOL[torch.float32])
+
+
 @pytest.fixture
 def forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """force(input_method, weight_method): make the fwdconv rules choose these (plans re-built)."""

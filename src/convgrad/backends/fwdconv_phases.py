@@ -21,7 +21,15 @@ import torch
 
 from convgrad._ops import batched_like, pad, plain, sliced
 from convgrad.backends import fwdconv_geometry as geo
-from convgrad.backends.fwdconv_steps import Contraction, _contraction_code, _dims, _flat, _new_like, _slices
+from convgrad.backends.fwdconv_steps import (
+    Contraction,
+    _channels_last,
+    _contraction_code,
+    _dims,
+    _flat,
+    _new_like,
+    _slices,
+)
 from convgrad.spec import Pair, PhaseTaps
 
 Shape = tuple[int, ...]
@@ -352,8 +360,12 @@ class StrideToDepth:
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n, c, *size = t.shape
-        g, u = self.groups, self.shape[2:]
-        out = batched_like(t.new_zeros((c // g, *self.stride, n, g, *u)), t)  # (C_x/g, *s, N, g, *U)
+        g, u, nd = self.groups, self.shape[2:], len(size)
+        if _channels_last(t):  # the result channels last too: (C_x/g, *s, *U, N, g) in memory
+            out = t.new_zeros((c // g, *self.stride, *u, n, g)).movedim((-2, -1), (1 + nd, 2 + nd))
+        else:
+            out = t.new_zeros((c // g, *self.stride, n, g, *u))
+        out = batched_like(out, t)  # (C_x/g, *s, N, g, *U)
         x = t.reshape(n, g, c // g, *size).movedim(2, 0)  # (C_x/g, N, g, *i)
         for rho in itertools.product(*(range(s) for s in self.stride)):
             dst, src = self._rows(rho, tuple(size))
