@@ -19,6 +19,10 @@ time varies 6-34% within a process on a shared machine; pairing within a round c
 and goes. CPU time (all threads) is reported beside wall time: a contender using one core of two shows
 CPU/wall near 1. Memory: each (model, contender, quantity) runs again in a fresh process, two steps;
 peak memory is the peak RSS (VmHWM) minus the RSS once the model, the data and the contender's wrappers are set up.
+Allocation: as in ``convgrad bench`` (``--malloc keep``, the default), the timing process asks glibc to keep
+freed memory, so that a step's tensors of hundreds of MB reuse pages instead of faulting fresh ones in: in one
+process holding every contender, VGG-11's (a) step of every contender was dominated by page faults and
+kernel page zeroing (system time). ``--malloc system`` times as is. The memory processes always run as is.
 
 Usage (extra libraries: benchmarks/requirements.txt, installed as in benchmarks/README.md):
     PYTHONPATH=src python benchmarks/per_sample.py --threads 2 --repeats 7
@@ -350,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per memory process (default 900)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "per_sample")
+    p.add_argument("--malloc", choices=["keep", "system"], default="keep",
+                   help="keep: glibc keeps freed memory while timing (no page faults per step); system: as is "
+                        "(default: keep)")
     p.add_argument("--memory-worker", nargs=3, metavar=("MODEL", "CONTENDER", "QUANTITY"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -359,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from rich.console import Console
 
+    from convgrad.cli.bench import keep_malloc
+
     console = Console(stderr=True)
+    malloc = keep_malloc() if args.malloc == "keep" else "system"
+    console.print(f"malloc while timing: {malloc}")
     contenders = [c for c in args.contenders if available(c)]
     for c in sorted(set(args.contenders) - set(contenders)):
         console.print(f"skipped {c}: not installed")
@@ -375,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["peak_mib"] = measure_memory(args, model, r["contender"], r["quantity"])
         results += records
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))  # partial results survive
-    md = markdown(results) + "\n\n" + "\n".join(f"- {t}" for t in targets(results)) + "\n"
+    md = (f"malloc while timing: {malloc}\n\n" + markdown(results) + "\n\n"
+          + "\n".join(f"- {t}" for t in targets(results)) + "\n")
     args.out.with_suffix(".md").write_text(md)
     print(md)
     return 0
