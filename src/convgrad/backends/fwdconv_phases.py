@@ -374,8 +374,8 @@ class StrideToDepth:
         return out.reshape(self.shape)  # (C_x/g*S, N*g, *U)
 
     def describe(self) -> str:
-        return (f"pad (lo, hi) = {self.pads} and split x into its phases rho::{self.stride}: every phase becomes a "
-                f"channel, the batch goes into the groups")
+        return (f"pad (lo, hi) = {self.pads} per spatial dim and split into the phases rho::{self.stride} "
+                f"(sample-major: every phase a channel, the batch in the groups)")
 
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """One member per phase rho < s of the padded rows: rho, rho + s, ...; each gets its own results (taps)."""
