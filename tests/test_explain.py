@@ -125,6 +125,22 @@ def test_script_of_the_phases_weight_plan_matches_autograd(input_size: tuple[int
     assert "recipe matches torch autograd" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("weight_method", ["phases", "per_sample", "kernel", "taps", None])
+@pytest.mark.parametrize(("input_size", "weight_size", "kw"), [
+    ((1, 1, 2), (1, 1, 4), dict(stride=4, padding=((5, 0),))),  # reads only padding: the crop passes x's end
+    ((1, 2, 1, 4, 4), (2, 1, 5, 3, 3), dict(stride=(5, 2, 2), padding=((6, 2), (1, 1), (1, 1)), groups=2)),
+])
+def test_script_crops_after_it_pads(input_size: tuple[int, ...], weight_size: tuple[int, ...], kw: dict[str, Any],
+                                    weight_method: str | None, capsys: Any) -> None:
+    """F.pad crops before it pads and failed ("narrow(): length must be non-negative") where only the pad on the
+    other side makes room for the crop; the scripts now crop with a slice, as the plans do (found by a helper)."""
+    source = convgrad.explain(input_size, weight_size, weight_method=weight_method, **kw).to_python()
+    namespace: dict[str, Any] = {"__name__": "recipe"}
+    exec(compile(source, "recipe.py", "exec"), namespace)
+    namespace["main"]()  # asserts every gradient against autograd
+    assert "recipe matches torch autograd" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("case", SCRIPT_CASES, ids=str)
 def test_script_matches_autograd_with_no_backward_op_before_the_check(case: Case, capsys: Any) -> None:
     source = convgrad.explain(case.input_shape, case.weight_shape, case.stride, case.padding, case.dilation,

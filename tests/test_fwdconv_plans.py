@@ -283,6 +283,20 @@ def test_every_weight_formulation_matches_autograd(case: Case, method: str) -> N
     assert_matches_autograd({"grad_weight": gw}, reference_grads(case, t), torch.float64, f"{method} {case}")
 
 
+@pytest.mark.parametrize("batch", [0, 2])
+def test_a_method_that_cannot_serve_is_refused_at_every_batch(batch: int) -> None:
+    """A batch of 0 has an empty plan, but a forced method the layer rules out is still an error (found by a
+    helper: batch 0 accepted 'bogus', 'phases' with dilation and 'blocks' with stride)."""
+    spec = _spec((batch, 4, 9, 9, 9), (4, 1, 3, 3, 3), stride=2, padding=1, dilation=2, groups=4)
+    with pytest.raises(ValueError, match="method='phases' needs dilation 1"):
+        plan_weight_grad(spec, "phases")
+    with pytest.raises(ValueError, match="method='blocks' needs stride 1"):
+        plan_weight_grad(spec, "blocks")
+    with pytest.raises(ValueError, match="method='bogus'"):
+        plan_weight_grad(spec, "bogus")
+    assert plan_weight_grad(spec, "kernel").method == ("empty" if batch == 0 else "kernel")
+
+
 def test_unknown_methods_are_refused() -> None:
     spec = _spec((1, 1, 5), (1, 1, 3))
     with pytest.raises(ValueError, match="method='magic'"):

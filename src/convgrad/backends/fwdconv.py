@@ -232,12 +232,14 @@ def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
     ``method`` forces a formulation (one of WEIGHT_METHODS); None lets the rules choose.
     """
     x_name, y_name = ("grad_output", "input") if spec.transposed else ("input", "grad_output")
-    if spec.batch == 0:
-        return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), spec.weight_shape, "empty", "batch 0")
-
     chosen, reason = fwdconv_weight.weight_method(spec) if method is None else (method, "forced")
     if chosen not in fwdconv_weight.BUILDERS:
         raise ValueError(f"plan_weight_grad: method={method!r} must be None or one of {WEIGHT_METHODS}")
+    why = fwdconv_weight.refusal(chosen, spec)
+    if why:  # even for a batch of 0, whose sum is empty: the method is wrong for the layer
+        raise ValueError(f"plan_weight_grad: method={chosen!r} {why}; {spec.describe()}")
+    if spec.batch == 0:
+        return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), spec.weight_shape, "empty", "batch 0")
     data_steps, kernel_steps, conv, post = fwdconv_weight.BUILDERS[chosen](spec)
     return Plan("grad_weight", spec, x_name, y_name, data_steps, kernel_steps, conv, post, spec.weight_shape,
                 chosen, reason)

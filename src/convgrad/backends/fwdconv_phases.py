@@ -1,10 +1,8 @@
-"""The polyphase and sub-pixel steps of the fwdconv grad of x (no products with inserted zeros), and the
-phases of the grad of w.
+"""The polyphase and sub-pixel steps of the fwdconv grad of x: no products with inserted zeros.
 
 Contractions, per group (x: big side, y: small side; spec.phase_taps has the derivation):
     polyphase   x rows rho::s  =  y padded * flipped taps first::s/g      (one small conv per phase)
     sub-pixel   [N, C_y/g, y] * [P*C_x/g, C_y/g, fused taps] -> [N, P*C_x/g, ceil(i/s)] -> depth to space
-    phases (w)  [C_x/g*S, N*g, U] * [N*C_y, 1, o], stride 1 -> taps s*q + rho, summed over N
 
 Steps follow fwdconv.py: frozen dataclasses with ``shape``, ``__call__`` and ``describe()``, plus
 ``code()`` for ``Recipe.to_python``. Results are written phase by phase into a tensor of the big
@@ -19,23 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad._ops import batched_like, pad, plain, sliced
+from convgrad._ops import pad, plain, sliced
 from convgrad.backends import fwdconv_geometry as geo
-from convgrad.backends.fwdconv_steps import (
-    Contraction,
-    _channels_last,
-    _contraction_code,
-    _dims,
-    _flat,
-    _new_like,
-    _slices,
-)
+from convgrad.backends.fwdconv_plan import pad_code
+from convgrad.backends.fwdconv_steps import Contraction, _contraction_code, _dims, _flat, _new_like, _slices
 from convgrad.spec import Pair, PhaseTaps
 
 Shape = tuple[int, ...]
 
-__all__ = ["CHUNK_BYTES", "DepthToSpace", "Phase", "PhaseConvs", "PhasesToKernel", "StrideToDepth", "SubpixelKernel",
-           "TakeTaps"]
+__all__ = ["CHUNK_BYTES", "DepthToSpace", "Phase", "PhaseConvs", "SubpixelKernel", "TakeTaps"]
 
 # Memory-bound phases (PhaseConvs.chunked) run a few samples at a time on the CPU, so that a chunk's phase results
 # are still in cache when they are interleaved into the big side: their writes, not the convs, are the cost there.
@@ -102,8 +92,8 @@ class Phase:
         return geo.each(lambda a: geo.Axis(tuple(c._replace(phase=rho) for c in a.cells[b:b + n])), out)
 
     def code(self, out: str, data: str, kernel: str) -> list[str]:
-        lines = [f"{out}_y = F.pad({data}, {_flat(self.pads)})  # pads {self.pads} (negative crops)" if self.pads
-                 else f"{out}_y = {data}", f"{out}_k = {kernel}", *self.taps.code(f"{out}_k", ())]
+        y = pad_code(f"{out}_y", data, self.pads, "negative crops") if self.pads else [f"{out}_y = {data}"]
+        lines = [*y, f"{out}_k = {kernel}", *self.taps.code(f"{out}_k", ())]
         lines += _contraction_code(self.conv, out, f"{out}_y", f"{out}_k")
         if any(self.start):
             rows = ", ".join(f"{b}:{b + r}" for b, r in zip(self.start, self.shape[2:], strict=True))
@@ -322,109 +312,3 @@ class DepthToSpace:
             lines.append(f"{v}[..., {where}] = {v}_p[:, :, {p}][..., {rows_of_p}]")
         return [*lines, f"{v} = {v}.reshape({_dims(self.shape)})  # depth to space: {self.shape}"]
 
-
-# ---- phases grad of w: a strided conv's x split into phases, each a stride-1 conv --------------------------------
-
-@dataclass(frozen=True)
-class StrideToDepth:
-    """(N, C_x, *i) -> (C_x/g*S, N*g, *U): x padded by ``pads``, then its phase rho (the rows rho::s) of every dim
-    becomes a channel of its own.
-
-    Tap t = s*q + rho of a stride-s window meets row s*o + t = s*(o + q) + rho, i.e. row o + q of phase rho: a
-    stride-1 conv of each phase with the taps rho::s. The S = prod(s) phases sit beside the C_x/g channels of
-    each group, and the batch is folded into the groups (sample-major), as the per-sample plan does. The pad
-    and the split are one copy: each phase's rows are copied from x straight to where they go.
-    """
-
-    stride: Shape
-    groups: int
-    pads: tuple[Pair, ...]
-    shape: Shape
-
-    def _split(self, shape: Shape) -> tuple[Shape, Shape]:
-        n, c, *size = shape
-        nd = len(size)
-        split = (n, self.groups, c // self.groups, *(v for u, s in zip(size, self.stride) for v in (u // s, s)))
-        return split, (2, *range(4, 3 + 2 * nd, 2), 0, 1, *range(3, 3 + 2 * nd, 2))
-
-    def _rows(self, rho: Shape, size: Shape) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
-        """Where phase rho's rows of x go (rows m of the phase) and which rows of x they are (h = s*m + rho - lo)."""
-        dst, src = [], []
-        for r, s, (lo, _), u, i in zip(rho, self.stride, self.pads, self.shape[2:], size):
-            m0 = max(0, -((r - lo) // s))  # the first phase row inside x: s*m0 + r - lo >= 0
-            h0 = s * m0 + r - lo
-            count = max(0, min(u - m0, len(range(h0, i, s))))
-            dst.append(slice(m0, m0 + count))
-            src.append(slice(h0, h0 + s * (count - 1) + 1 if count else h0, s))
-        return tuple(dst), tuple(src)
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        n, c, *size = t.shape
-        g, u, nd = self.groups, self.shape[2:], len(size)
-        if _channels_last(t):  # the result channels last too: (C_x/g, *s, *U, N, g) in memory
-            out = t.new_zeros((c // g, *self.stride, *u, n, g)).movedim((-2, -1), (1 + nd, 2 + nd))
-        else:
-            out = t.new_zeros((c // g, *self.stride, n, g, *u))
-        out = batched_like(out, t)  # (C_x/g, *s, N, g, *U)
-        x = t.reshape(n, g, c // g, *size).movedim(2, 0)  # (C_x/g, N, g, *i)
-        for rho in itertools.product(*(range(s) for s in self.stride)):
-            dst, src = self._rows(rho, tuple(size))
-            if all(d.stop > d.start for d in dst):
-                out[(slice(None), *rho, ..., *dst)] = x[(..., *src)]
-        return out.reshape(self.shape)  # (C_x/g*S, N*g, *U)
-
-    def describe(self) -> str:
-        return (f"pad (lo, hi) = {self.pads} per spatial dim and split into the phases rho::{self.stride} "
-                f"(sample-major: every phase a channel, the batch in the groups)")
-
-    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
-        """One member per phase rho < s of the padded rows: rho, rho + s, ...; each gets its own results (taps)."""
-        s, (lo, hi) = self.stride[dim], self.pads[dim]
-        rows = geo.pad_axis(geo.plain(axis, self), lo, hi)
-        return geo.Family(tuple(geo.select(rows, range(rho, len(rows.cells), s)) for rho in range(s)), False)
-
-    def code(self, v: str, shape: Shape) -> list[str]:
-        n, c, *size = shape
-        padded = (n, c, *(i + lo + hi for i, (lo, hi) in zip(size, self.pads)))
-        split, perm = self._split(padded)
-        return [f"{v} = F.pad({v}, {_flat(self.pads)})  # {padded}",
-                f"{v} = {v}.reshape({_dims(split)}).permute({_dims(perm)}).reshape({_dims(self.shape)})"
-                f"  # phases into channels: {self.shape}"]
-
-
-@dataclass(frozen=True)
-class PhasesToKernel:
-    """(C_x/g*S, C_y, *q) -> (C_y, C_x/g, *k): result q of phase rho is tap s*q + rho; taps past k are dropped."""
-
-    stride: Shape
-    shape: Shape
-
-    def _steps(self, shape: Shape) -> tuple[Shape, Shape, Shape]:
-        c_y, cxg, *_ = self.shape
-        q = shape[2:]
-        nd = len(q)
-        split = (cxg, *self.stride, c_y, *q)  # (C_x/g, *s, C_y, *q)
-        perm = (1 + nd, 0, *(v for j in range(nd) for v in (2 + nd + j, 1 + j)))  # (C_y, C_x/g, q1, s1, ...)
-        return split, perm, (c_y, cxg, *(m * s for m, s in zip(q, self.stride)))
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        split, perm, taps = self._steps(tuple(t.shape))
-        t = t.reshape(split).permute(perm).reshape(taps)  # (C_y, C_x/g, *(q*s)): tap s*q + rho in order
-        return t[(..., *(slice(0, k) for k in self.shape[2:]))]  # (C_y, C_x/g, *k)
-
-    def describe(self) -> str:
-        return f"interleave the phases' results: result q of phase rho is tap {self.stride}*q + rho"
-
-    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
-        """Tap t is row t // s of phase t % s's results."""
-        if not isinstance(axis, geo.Family):
-            raise TypeError(f"PhasesToKernel.rows: expects the results of its phases, not a {type(axis).__name__}")
-        s = self.stride[dim]
-        cells = [axis.members[t % s].cells[t // s] for t in range(self.shape[2 + dim])]  # type: ignore[union-attr]
-        return geo.renumber(geo.Axis(()), cells)
-
-    def code(self, v: str, shape: Shape) -> list[str]:
-        split, perm, taps = self._steps(shape)
-        crop = ", ".join(f":{k}" for k in self.shape[2:])
-        return [f"{v} = {v}.reshape({_dims(split)}).permute({_dims(perm)}).reshape({_dims(taps)})[..., {crop}]"
-                f"  # phases back into taps: {self.shape}"]

@@ -15,11 +15,11 @@ import torch
 
 from convgrad._ops import CONV, pad
 from convgrad.backends import fwdconv_geometry as geo
-from convgrad.backends.fwdconv_steps import Contraction, Spatially
+from convgrad.backends.fwdconv_steps import Contraction, Spatially, _flat
 from convgrad.spec import ConvSpec, Pair
 
 __all__ = ["BatchIntoChannels", "Conv", "Flip", "Pad", "Plan", "Step", "SwapBatchChannels", "SwapGroupChannels",
-           "ZeroInsert", "execute", "pad_or_fold"]
+           "ZeroInsert", "execute", "pad_code", "pad_or_fold"]
 
 Shape = tuple[int, ...]
 
@@ -212,3 +212,18 @@ def pad_or_fold(pads: tuple[Pair, ...], before: Shape, after: Shape) -> tuple[li
     if all(lo == hi and lo >= 0 for lo, hi in pads):
         return [], tuple(lo for lo, _ in pads), before
     return [Pad(pads, after)], (0,) * len(pads), after
+
+
+def pad_code(out: str, src: str, pads: tuple[Pair, ...], note: str) -> list[str]:
+    """The script lines of ``_ops.pad``: F.pad, but a crop (negative amount) after the pads, as a slice.
+
+    F.pad crops before it pads, so a crop that only the other side's padding makes room for fails there
+    ("narrow(): length must be non-negative"); a slice past the end is merely empty, as the crop is.
+    """
+    flat = _flat(pads)
+    if all(v >= 0 for v in flat):
+        return [f"{out} = F.pad({src}, {flat})  # pads {tuple(pads)}: {note}"]
+    grow = tuple((max(lo, 0), max(hi, 0)) for lo, hi in pads)
+    lines = [f"{out} = F.pad({src}, {_flat(grow)})  # pads {grow}, then the crops"] if any(map(any, grow)) else []
+    crop = ", ".join(f"{max(-lo, 0) or ''}:{hi if hi < 0 else ''}" for lo, hi in pads)
+    return [*lines, f"{out} = {out if lines else src}[..., {crop}]  # crops {tuple(pads)}: {note}"]

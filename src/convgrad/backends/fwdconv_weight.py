@@ -12,12 +12,23 @@ Each builder returns (data steps, kernel steps, contraction, post steps) for fwd
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
-from convgrad.backends.fwdconv_phases import PhasesToKernel, StrideToDepth
-from convgrad.backends.fwdconv_plan import BatchIntoChannels, Conv, Pad, Step, SwapBatchChannels, pad_or_fold
+from convgrad._ops import batched_like
+from convgrad.backends import fwdconv_geometry as geo
+from convgrad.backends.fwdconv_plan import (
+    BatchIntoChannels,
+    Conv,
+    Pad,
+    Step,
+    SwapBatchChannels,
+    pad_code,
+    pad_or_fold,
+)
 from convgrad.backends.fwdconv_steps import (
     BatchIntoGroups,
     Contraction,
@@ -27,13 +38,15 @@ from convgrad.backends.fwdconv_steps import (
     SpaceToDepth,
     SumSamples,
     TapsToKernel,
+    _channels_last,
+    _dims,
 )
 from convgrad.spec import ConvSpec, Pair
 
 Shape = tuple[int, ...]
 
 __all__ = ["BUILDERS", "ONEDNN_DTYPES", "PER_SAMPLE_MAX_BATCH", "PER_SAMPLE_MAX_CHANNELS", "TAPS_MAX_ELEMENTS",
-           "im2col_weight_method", "weight_method"]
+           "PhasesToKernel", "StrideToDepth", "im2col_weight_method", "refusal", "weight_method"]
 
 
 def weight_method(spec: ConvSpec) -> tuple[str, str]:
@@ -84,6 +97,112 @@ def im2col_weight_method(spec: ConvSpec, like: torch.Tensor) -> str | None:
         return None
     size = spec.batch * spec.x_channels * spec.taps * spec.positions
     return "taps" if size <= TAPS_MAX_ELEMENTS else None
+
+
+# ---- the steps of the phases plan: a strided conv's x split into phases, each a stride-1 conv ---------------------
+@dataclass(frozen=True)
+class StrideToDepth:
+    """(N, C_x, *i) -> (C_x/g*S, N*g, *U): x padded by ``pads``, then its phase rho (the rows rho::s) of every dim
+    becomes a channel of its own.
+
+    Tap t = s*q + rho of a stride-s window meets row s*o + t = s*(o + q) + rho, i.e. row o + q of phase rho: a
+    stride-1 conv of each phase with the taps rho::s. The S = prod(s) phases sit beside the C_x/g channels of
+    each group, and the batch is folded into the groups (sample-major), as the per-sample plan does. The pad
+    and the split are one copy: each phase's rows are copied from x straight to where they go.
+    """
+
+    stride: Shape
+    groups: int
+    pads: tuple[Pair, ...]
+    shape: Shape
+
+    def _split(self, shape: Shape) -> tuple[Shape, Shape]:
+        n, c, *size = shape
+        nd = len(size)
+        split = (n, self.groups, c // self.groups, *(v for u, s in zip(size, self.stride) for v in (u // s, s)))
+        return split, (2, *range(4, 3 + 2 * nd, 2), 0, 1, *range(3, 3 + 2 * nd, 2))
+
+    def _rows(self, rho: Shape, size: Shape) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+        """Where phase rho's rows of x go (rows m of the phase) and which rows of x they are (h = s*m + rho - lo)."""
+        dst, src = [], []
+        for r, s, (lo, _), u, i in zip(rho, self.stride, self.pads, self.shape[2:], size):
+            m0 = max(0, -((r - lo) // s))  # the first phase row inside x: s*m0 + r - lo >= 0
+            h0 = s * m0 + r - lo
+            count = max(0, min(u - m0, len(range(h0, i, s))))
+            dst.append(slice(m0, m0 + count))
+            src.append(slice(h0, h0 + s * (count - 1) + 1 if count else h0, s))
+        return tuple(dst), tuple(src)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        n, c, *size = t.shape
+        g, u, nd = self.groups, self.shape[2:], len(size)
+        if _channels_last(t):  # the result channels last too: (C_x/g, *s, *U, N, g) in memory
+            out = t.new_zeros((c // g, *self.stride, *u, n, g)).movedim((-2, -1), (1 + nd, 2 + nd))
+        else:
+            out = t.new_zeros((c // g, *self.stride, n, g, *u))
+        out = batched_like(out, t)  # (C_x/g, *s, N, g, *U)
+        x = t.reshape(n, g, c // g, *size).movedim(2, 0)  # (C_x/g, N, g, *i)
+        for rho in itertools.product(*(range(s) for s in self.stride)):
+            dst, src = self._rows(rho, tuple(size))
+            if all(d.stop > d.start for d in dst):
+                out[(slice(None), *rho, ..., *dst)] = x[(..., *src)]
+        return out.reshape(self.shape)  # (C_x/g*S, N*g, *U)
+
+    def describe(self) -> str:
+        return (f"pad (lo, hi) = {self.pads} per spatial dim and split into the phases rho::{self.stride} "
+                f"(sample-major: every phase a channel, the batch in the groups)")
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """One member per phase rho < s of the padded rows: rho, rho + s, ...; each gets its own results (taps)."""
+        s, (lo, hi) = self.stride[dim], self.pads[dim]
+        rows = geo.pad_axis(geo.plain(axis, self), lo, hi)
+        return geo.Family(tuple(geo.select(rows, range(rho, len(rows.cells), s)) for rho in range(s)), False)
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        n, c, *size = shape
+        padded = (n, c, *(i + lo + hi for i, (lo, hi) in zip(size, self.pads)))
+        split, perm = self._split(padded)
+        return [*pad_code(v, v, self.pads, f"{padded}"),
+                f"{v} = {v}.reshape({_dims(split)}).permute({_dims(perm)}).reshape({_dims(self.shape)})"
+                f"  # phases into channels: {self.shape}"]
+
+
+@dataclass(frozen=True)
+class PhasesToKernel:
+    """(C_x/g*S, C_y, *q) -> (C_y, C_x/g, *k): result q of phase rho is tap s*q + rho; taps past k are dropped."""
+
+    stride: Shape
+    shape: Shape
+
+    def _steps(self, shape: Shape) -> tuple[Shape, Shape, Shape]:
+        c_y, cxg, *_ = self.shape
+        q = shape[2:]
+        nd = len(q)
+        split = (cxg, *self.stride, c_y, *q)  # (C_x/g, *s, C_y, *q)
+        perm = (1 + nd, 0, *(v for j in range(nd) for v in (2 + nd + j, 1 + j)))  # (C_y, C_x/g, q1, s1, ...)
+        return split, perm, (c_y, cxg, *(m * s for m, s in zip(q, self.stride)))
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        split, perm, taps = self._steps(tuple(t.shape))
+        t = t.reshape(split).permute(perm).reshape(taps)  # (C_y, C_x/g, *(q*s)): tap s*q + rho in order
+        return t[(..., *(slice(0, k) for k in self.shape[2:]))]  # (C_y, C_x/g, *k)
+
+    def describe(self) -> str:
+        return f"interleave the phases' results: result q of phase rho is tap {self.stride}*q + rho"
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """Tap t is row t // s of phase t % s's results."""
+        if not isinstance(axis, geo.Family):
+            raise TypeError(f"PhasesToKernel.rows: expects the results of its phases, not a {type(axis).__name__}")
+        s = self.stride[dim]
+        cells = [axis.members[t % s].cells[t // s] for t in range(self.shape[2 + dim])]  # type: ignore[union-attr]
+        return geo.renumber(geo.Axis(()), cells)
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        split, perm, taps = self._steps(shape)
+        crop = ", ".join(f":{k}" for k in self.shape[2:])
+        return [f"{v} = {v}.reshape({_dims(split)}).permute({_dims(perm)}).reshape({_dims(taps)})[..., {crop}]"
+                f"  # phases back into taps: {self.shape}"]
 
 
 _Parts = tuple[tuple[Step, ...], tuple[Step, ...], Contraction, tuple[Step, ...]]
@@ -152,8 +271,6 @@ def _taps_plan(spec: ConvSpec) -> _Parts:
 
 def _blocks_plan(spec: ConvSpec) -> _Parts:
     """Stride 1, dilation d: blocks of d rows folded into channels (space to depth) make it a stride-1 conv."""
-    if any(s > 1 for s in spec.stride):
-        raise ValueError(f"plan_weight_grad: method='blocks' needs stride 1 in every dim; {spec.describe()}")
     g, cx, cy, n_, d = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.dilation
     blocks, dd = spec.dilation_blocks, math.prod(d)
     x_pads = tuple((lo, hi + u * di - size) for (lo, hi), (u, _), di, size in
@@ -173,8 +290,6 @@ def _phases_plan(spec: ConvSpec) -> _Parts:
     Each phase gets q = ceil(k/s) taps per dim; a phase with fewer real taps computes a few surplus results,
     which PhasesToKernel drops. x is padded to s*(o + q - 1) rows, the rows the phases read.
     """
-    if any(d > 1 for d in spec.dilation):
-        raise ValueError(f"plan_weight_grad: method='phases' needs dilation 1 in every dim; {spec.describe()}")
     g, cx, cy, n_, s = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.stride
     q = tuple(-(-k // si) for k, si in zip(spec.kernel_size, s))
     rows = tuple(si * (o + qi - 1) for si, o, qi in zip(s, spec.y_size, q))
@@ -183,6 +298,16 @@ def _phases_plan(spec: ConvSpec) -> _Parts:
     conv = Conv((1,) * spec.n, (0,) * spec.n, (1,) * spec.n, n_ * g, (cx // g * math.prod(s), n_ * cy, *q))
     post = (SumSamples(n_, (cx // g * math.prod(s), cy, *q)), PhasesToKernel(s, spec.weight_shape))
     return data_steps, (SamplesIntoChannels((n_ * cy, 1, *spec.y_size)),), conv, post
+
+
+def refusal(method: str, spec: ConvSpec) -> str | None:
+    """Why a formulation cannot serve this spec (None if it can): blocks folds the dilation and phases the stride,
+    so each needs the other to be 1."""
+    if method == "blocks" and any(s > 1 for s in spec.stride):
+        return "needs stride 1 in every dim"
+    if method == "phases" and any(d > 1 for d in spec.dilation):
+        return "needs dilation 1 in every dim"
+    return None
 
 
 BUILDERS = {"kernel": _kernel_plan, "per_sample": _per_sample_plan, "taps": _taps_plan, "blocks": _blocks_plan,

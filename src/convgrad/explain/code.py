@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from convgrad.backends.fwdconv_plan import pad_code
 from convgrad.spec import ConvSpec
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def _zero_insert(step: Any, v: str, shape: Shape) -> list[str]:
 
 
 def _pad(step: Any, v: str, shape: Shape) -> list[str]:
-    return [f"{v} = F.pad({v}, {_flat(step.pads)})  # pads {tuple(step.pads)} (negative crops): {tuple(step.shape)}"]
+    return pad_code(v, v, step.pads, f"{tuple(step.shape)}")
 
 
 def _flip(step: Any, v: str, shape: Shape) -> list[str]:
