@@ -522,6 +522,21 @@ class ConvSpec:
         """
         return tuple((k - 1 + -(-o // d), -(-o // d)) for k, d, o in zip(self.kernel_size, self.dilation, self.y_size))
 
+    @property
+    def stride_phases(self) -> tuple[tuple[int, int, Pair], ...]:
+        """Per dim (Q, U, pads): the phases of x for grad_weight by the stride s (with dilation 1).
+
+        Tap t = s*q + rho meets x_read[s*(j + q) + rho], which is row j + q of phase rho (the rows rho::s):
+        each of the s phases is read by a stride-1 conv with Q = ceil(k/s) taps over U = o + Q - 1 rows, so
+        x is padded by ``pads``, x_read_pads with the high side grown to s*U rows (docs/derivation.md).
+        """
+        out = []
+        for k, s, o, (lo, hi), size in zip(self.kernel_size, self.stride, self.y_size, self.x_read_pads,
+                                           self.x_read_size):
+            q = -(-k // s)
+            out.append((q, o + q - 1, (lo, hi + s * (o + q - 1) - size)))
+        return tuple(out)
+
     def with_leading_unit_dim(self) -> ConvSpec:
         """The same convolution with one more spatial dim in front, of extent 1 everywhere (a 1d conv as a 2d one
         over rows of height 1): kernel 1, stride 1, no padding, dilation 1, output_padding 0 in the new dim."""

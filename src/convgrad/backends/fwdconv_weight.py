@@ -287,16 +287,15 @@ def _blocks_plan(spec: ConvSpec) -> _Parts:
 def _phases_plan(spec: ConvSpec) -> _Parts:
     """Stride s, dilation 1: x's phases rho::s become channels, so each sample's conv is a stride-1 one.
 
-    Each phase gets q = ceil(k/s) taps per dim; a phase with fewer real taps computes a few surplus results,
-    which PhasesToKernel drops. x is padded to s*(o + q - 1) rows, the rows the phases read.
+    Each phase gets Q = ceil(k/s) taps per dim (``ConvSpec.stride_phases``); a phase with fewer real taps computes
+    a few surplus results, which PhasesToKernel drops.
     """
     g, cx, cy, n_, s = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.stride
-    q = tuple(-(-k // si) for k, si in zip(spec.kernel_size, s))
-    rows = tuple(si * (o + qi - 1) for si, o, qi in zip(s, spec.y_size, q))
-    pads = tuple((lo, hi + r - size) for (lo, hi), r, size in zip(spec.x_read_pads, rows, spec.x_read_size))
-    data_steps = (StrideToDepth(s, g, pads, (cx // g * math.prod(s), n_ * g, *(r // si for r, si in zip(rows, s)))),)
-    conv = Conv((1,) * spec.n, (0,) * spec.n, (1,) * spec.n, n_ * g, (cx // g * math.prod(s), n_ * cy, *q))
-    post = (SumSamples(n_, (cx // g * math.prod(s), cy, *q)), PhasesToKernel(s, spec.weight_shape))
+    q, u, pads = zip(*spec.stride_phases)
+    phases = cx // g * math.prod(s)
+    data_steps = (StrideToDepth(s, g, pads, (phases, n_ * g, *u)),)
+    conv = Conv((1,) * spec.n, (0,) * spec.n, (1,) * spec.n, n_ * g, (phases, n_ * cy, *q))
+    post = (SumSamples(n_, (phases, cy, *q)), PhasesToKernel(s, spec.weight_shape))
     return data_steps, (SamplesIntoChannels((n_ * cy, 1, *spec.y_size)),), conv, post
 
 
