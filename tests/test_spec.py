@@ -177,3 +177,20 @@ def test_spec_imports_no_torch() -> None:
             "print(s.ConvSpec.from_shapes((1, 2, 5), (3, 2, 3), stride=2).output_shape)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "(1, 3, 2)"
+
+
+def test_with_batch_in_groups_folds_the_samples_into_group_blocks() -> None:
+    """Per-sample weight gradients as one grouped conv's: sample n's channels are group block n."""
+    spec = ConvSpec.from_shapes((3, 4, 9, 8), (6, 2, 3, 2), stride=2, padding=((1, 0), (0, 1)), groups=2)
+    folded = spec.with_batch_in_groups()
+    assert (folded.batch, folded.in_channels, folded.out_channels, folded.groups) == (1, 12, 18, 6)
+    assert folded.weight_shape == (18, 2, 3, 2) and folded.output_size == spec.output_size
+    x, gy = torch.randn(spec.input_shape, dtype=torch.float64), torch.randn(spec.output_shape, dtype=torch.float64)
+    per_sample = [torch.nn.grad.conv2d_weight(torch.nn.functional.pad(x[n:n + 1], (0, 1, 1, 0)), spec.weight_shape,
+                                              gy[n:n + 1], stride=2, groups=2) for n in range(3)]
+    ref = torch.stack(per_sample).reshape(folded.weight_shape)
+    got = torch.nn.grad.conv2d_weight(torch.nn.functional.pad(x.reshape(1, 12, 9, 8), (0, 1, 1, 0)),
+                                      folded.weight_shape, gy.reshape(1, 18, *gy.shape[2:]), stride=2, groups=6)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="with_batch_in_groups needs batch >= 1, got batch=0"):
+        spec.with_batch(0).with_batch_in_groups()

@@ -537,6 +537,21 @@ class ConvSpec:
             out.append((q, o + q - 1, (lo, hi + s * (o + q - 1) - size)))
         return tuple(out)
 
+    def with_batch_in_groups(self) -> ConvSpec:
+        """The N per-sample convolutions as one: a batch of 1 whose channels and groups are N times as many.
+
+        Sample n's channels become group block n, so the weight gradient of this conv, ``(N*w0, *w[1:])``, is the
+        N per-sample weight gradients stacked (the fold torch.func's vmap applies to a convolution).
+
+        Raises:
+            ValueError: a batch of 0 (there is no conv to fold into).
+        """
+        if self.batch < 1:
+            raise ValueError(f"{self.fn}: with_batch_in_groups needs batch >= 1, got batch={self.batch}")
+        n = self.batch
+        return replace(self, batch=1, in_channels=n * self.in_channels, out_channels=n * self.out_channels,
+                       groups=n * self.groups, unbatched=False)
+
     def with_leading_unit_dim(self) -> ConvSpec:
         """The same convolution with one more spatial dim in front, of extent 1 everywhere (a 1d conv as a 2d one
         over rows of height 1): kernel 1, stride 1, no padding, dilation 1, output_padding 0 in the new dim."""

@@ -66,8 +66,9 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
         transposed: the layer is a transposed convolution (default False).
         output_padding: int or N-tuple, transposed only (default 0).
         method: ``"unfold"`` (im2col + one batched GEMM per group), ``"conv"`` (a grouped convolution
-            with the batch folded into the groups), ``"native"`` (PyTorch's weight-gradient kernel once per sample;
-            fast on layers with many positions, see ``convgrad.per_sample.methods``) or ``"auto"`` (default: the
+            with the batch folded into the groups), ``"native"`` (PyTorch's weight-gradient kernel once, on the batch
+            folded into the groups, as torch.func's vmap does; fast on layers with many positions, see
+            ``convgrad.per_sample.methods``) or ``"auto"`` (default: the
             fastest, timed once per layer configuration on the batch, as ``backend="auto"`` times backends; with
             ``CONVGRAD_AUTOTUNE=fixed`` the cost model of
             [`per_sample_grad_norms`][convgrad.per_sample.functional.per_sample_grad_norms]). ``"ghost"`` computes norms
@@ -163,7 +164,7 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
       runs GEMMs whose output tile per (sample, group) is ``(C_y/g)×(C_x·T/g)``; when that tile has
       fewer than 64 entries (depthwise-like layers, where such GEMMs are inefficient) "conv" is
       chosen instead: one grouped convolution, no im2col buffer. "native" (PyTorch's weight-gradient
-      kernel once per sample) is measured by "auto" too, but never chosen by this cost model.
+      kernel on the batch folded into the groups) is measured by "auto" too, but never chosen by this cost model.
 
     Args:
         input, weight_size, grad_output, stride, padding, dilation, groups, transposed, output_padding:

@@ -5,7 +5,7 @@ geometry of ConvSpec; P = prod(o) positions of y, T = prod(k) taps, U = im2col(x
     "unfold"  gw[n] [C_y/g, C_x/g·T] = y[n] [C_y/g, P] · U[n]ᵀ [P, C_x/g·T]      one batched GEMM per chunk
     "conv"    gw    [C_x/g, N·C_y, T] = x [C_x/g, N·g, x] ⋆ y [N·C_y, 1, P]       groups = N·g, stride d, dilation s
     "ghost"   |gw[n]|² = Σ_g ⟨y[n]ᵀy[n], U[n]ᵀU[n]⟩ over [P, P] Gram matrices   norms only, never gw itself
-    "native"  gw[n] = aten.convolution_backward of sample n alone, for n = 1..N   one weight gradient per sample
+    "native"  gw [N·C_y, C_x/g, T] = aten weight gradient of the batch folded into the groups (N·g), one call
 A forward conv has x = input, y = grad_output; a transposed conv the reverse. Only
 the diagonal (same-group) blocks are ever formed: U is laid out per group, so the
 GEMM never multiplies channels of one group with those of another.
@@ -13,12 +13,17 @@ GEMM never multiplies channels of one group with those of another.
 Temporaries are bounded by processing the batch in chunks of at most
 ``CHUNK_ELEMENTS`` elements of scratch space.
 
-"native" runs PyTorch's own weight-gradient kernel (oneDNN on the CPU, cuDNN on CUDA) N times, once per sample,
-with no im2col copy. On the CPU wheel, whose BLAS is MKL, that kernel multiplies faster than the batched GEMM of
-"unfold" where a sample has many positions: on ResNet-18's 64-channel 32x32 layer, batch 32, 2 threads, the 32
-per-sample calls took 10.6 ms against unfold's 35.6 ms (and 14.4 ms for native's one summed weight gradient);
-with few positions a sample's kernel runs inefficiently (512 channels at 4x4: 168 against 43 ms), which the cost
-model's ``NATIVE_POSITIONS`` prices in (``convgrad.per_sample.tuning.estimates``).
+"native" runs PyTorch's own weight-gradient kernel (oneDNN on the CPU, cuDNN on CUDA) once, on the batch folded
+into the groups (``ConvSpec.with_batch_in_groups``: the input as (1, N·C_x, *i), grad_output as (1, N·C_y, *o),
+groups N·g), with no im2col copy and no copy of the result: sample n's gradient is group block n. This is how
+torch.func's vmap computes a convolution's per-sample gradients. On the CPU wheel, whose BLAS is MKL, that kernel
+multiplies faster than the batched GEMM of "unfold" where a sample has many positions (batch 32, 2 threads,
+torch.utils.benchmark, ms, native / unfold / conv / PyTorch's one summed weight gradient): the small CNN's
+32->64 at 16x16 1.19 / 2.83 / 4.58 / 1.05, ResNet-18's 64->64 at 32x32 9.6 / 22.1 / 30.6 / 9.0 and 128->128
+at 16x16 8.8 / 17.6 / 24.3 / 7.9. With few positions it runs inefficiently (256 channels at 8x8: 18.4 against
+unfold's 19.1; 512 at 4x4: 47.5 against 26.1), which the cost model's ``NATIVE_POSITIONS`` prices in
+(``convgrad.per_sample.tuning.estimates``). It replaced one call per sample (64->64 at 32x32: 12.6 ms; 32->64
+at 16x16: 4.1 ms).
 """
 
 from __future__ import annotations
@@ -51,9 +56,9 @@ __all__ = [
 
 CHUNK_ELEMENTS = 1 << 22  # scratch elements per chunk of the batch (16 MiB in float32)
 MIN_TILE = 64  # below this many entries per group's gradient, a GEMM per (sample, group) runs inefficiently
-# below this many positions P per sample, one sample's native weight gradient runs inefficiently (module doc); the
+# below this many positions P per sample, the folded native weight gradient runs inefficiently (module doc); the
 # cost model counts "native" as NATIVE_POSITIONS / P times its multiply-adds there
-NATIVE_POSITIONS = 512
+NATIVE_POSITIONS = 128
 
 
 def choose_method(spec: ConvSpec, norms: bool) -> str:
@@ -199,15 +204,13 @@ def _conv(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 
-def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One native weight gradient per sample, written into out (N, *weight_shape) (fresh when None)."""
-    native, one = get_backend("native"), spec.with_batch(1)
+def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """PyTorch's weight gradient of the batch folded into the groups: (N, *weight_shape), one call."""
     inp, gy = (y, x) if spec.transposed else (x, y)  # the conv's input and grad_output
-    if out is None:
-        out = empty((spec.batch, *spec.weight_shape), x)  # (N, *weight_shape)
-    for n in range(spec.batch):
-        out[n] = native.weight_grad(one, inp[n:n + 1], gy[n:n + 1])  # (*weight_shape)
-    return out
+    folded = spec.with_batch_in_groups()
+    gw = get_backend("native").weight_grad(folded, inp.reshape(1, -1, *inp.shape[2:]),  # (1, N·C_in, *i)
+                                           gy.reshape(1, -1, *gy.shape[2:]))  # (1, N·C_out, *o) -> (N·w0, *w[1:])
+    return gw.view(spec.batch, *spec.weight_shape)  # (N, *weight_shape): sample n's block
 
 
 def weight_grad(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, method: str) -> torch.Tensor:
@@ -230,8 +233,6 @@ def materialised_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, meth
         sub = _batch(spec, c, spec.batch)
         if method == "unfold" and reuse:  # the columns go to scratch, so this chunk's gradients go to a buffer
             gw = _unfold(sub, x[c], y[c], scratch((sub.batch, *spec.weight_shape), x, "grads"))  # (n', *w)
-        elif method == "native" and reuse:
-            gw = _native(sub, x[c], y[c], scratch((sub.batch, *spec.weight_shape), x, "grads"))  # (n', *w)
         else:
             gw = weight_grad(sub, x[c], y[c], method)  # (n', *weight_shape)
         out[c] = sq_norms(gw)

@@ -16,8 +16,9 @@ small CNN's second conv, per sample: conv 0.17 ms and unfold 0.49 ms on 4 sample
 2 busy shared cores). Unlike a backend, an option's work here is split between the backward and the
 clipping, so a later call cannot run one option whole: the screening alone decides. Choices share auto's mode
 (``CONVGRAD_AUTOTUNE=fixed``: the cost model of ``methods.choose_method``), its cache file and batch buckets.
-"native" (one native weight gradient per sample, see ``methods``) is counted at ``methods.NATIVE_POSITIONS / P``
-times its multiply-adds where a sample has fewer positions P, since one sample's kernel runs slowly there.
+"native" (PyTorch's weight gradient of the batch folded into the groups, see ``methods``) is counted at
+``methods.NATIVE_POSITIONS / P`` times its multiply-adds where a sample has fewer positions P, since that kernel
+runs slowly there.
 """
 
 from __future__ import annotations
