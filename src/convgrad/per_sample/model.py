@@ -290,18 +290,17 @@ class PerSampleGrads:
         x = x if x.dtype == grad_output.dtype else x.to(grad_output.dtype)  # autocast: the input's own dtype
         layer = self._rules[module](module, x, grad_output.detach(), scale)
         self._check_batch(module, layer.x.shape[0])
-        scale = layer.scale  # 1 for an unbatched input: one sample
         if not self.norms_only:
             grads = layer.grads()
             for k, g in grads.items():
                 p = self._trainable[module][k]
                 p.grad_sample = g if getattr(p, "grad_sample", None) is None else p.grad_sample + g  # type: ignore
             if self._ddp is None:  # under DDP this rank's sum alone would be a wrong .grad: clip_and_accumulate
-                for k in names:  # the sum, added here as autograd would (autograd gets none, see _direct_use)
-                    if k in grads:
-                        p = self._trainable[module][k]
-                        g = grads[k].sum(0).div_(scale).to(p.dtype)  # (*param.shape)
-                        p.grad = g if p.grad is None else p.grad.add_(g)
+                sums = layer.summed({k: grads[k] for k in names if k in grads})  # {k: (*param.shape)}
+                for k, g in sums.items():  # added here as autograd would (autograd gets none, see _direct_use)
+                    p = self._trainable[module][k]
+                    g = g.to(p.dtype)
+                    p.grad = g if p.grad is None else p.grad.add_(g)
             return [None] * len(names)
         rec = self._records.setdefault(module, _Record())
         rec.calls += 1
