@@ -736,8 +736,8 @@ def test_batches_of_one_bucket_share_one_per_sample_tuning(tuned: None, monkeypa
 
 def test_storing_per_sample_gradients_for_the_clip_is_allowed_only_within_the_memory_rule(
         tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ConvLayer lets "clip" store the per-sample gradients only where they take no more memory than the
-    (input, grad_output) that one more weight-gradient pass would keep."""
+    """ConvLayer lets "clip" store the per-sample gradients only where they take at most STORE_GROWTH (2) times the
+    memory of the (input, grad_output) that one more weight-gradient pass would keep."""
     from convgrad.per_sample import tuning
 
     asked: list[tuple[int, bool]] = []
@@ -745,11 +745,12 @@ def test_storing_per_sample_gradients_for_the_clip_is_allowed_only_within_the_me
     monkeypatch.setattr(tuning, "method_for", lambda spec, x, y, purpose, store=False: (
         asked.append((spec.x_channels, store)) if purpose == "clip" else None) or real(spec, x, y, purpose, store))
     model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1),  # 38 entries per sample against 2·256 + 2·256 kept: store
-                          nn.Conv2d(2, 64, 3, padding=1, stride=8),  # 1216 per sample against 2·256 + 64·4 kept: no
-                          nn.Flatten(), nn.Linear(64 * 2 * 2, 2)).to(DT)
+                          nn.Conv2d(2, 64, 3, padding=1, stride=8),  # 1216 against 2·256 + 64·4 = 768 (1.6x): store
+                          nn.Conv2d(64, 128, 1),  # 8320 against 64·4 + 128·4 = 768 (10.8x): no
+                          nn.Flatten(), nn.Linear(128 * 2 * 2, 2)).to(DT)
     with cg.PerSampleGrads(model, norms_only=True):
         model(torch.randn(3, 2, 16, 16, dtype=DT)).sum().backward()
-    assert asked == [(2, False), (2, True)], asked  # the backward reaches the second conv first
+    assert asked == [(64, False), (2, True), (2, True)], asked  # the backward reaches the last conv first
 
 
 def test_per_sample_choices_persist_in_autos_cache_file(tuned: None, tmp_path, monkeypatch: pytest.MonkeyPatch

@@ -37,6 +37,12 @@ _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm
 # the sum of its N materialised per-sample gradients, whose read then costs more (batch 32, 2 threads, kept memory,
 # ms, sum(0) / one native call): 512 channels at 2x2 16.1 / 3.8, at 4x4 10.3 / 7.9; 256 at 8x8 2.8 / 7.8.
 SUM_BY_CALL_POSITIONS = 32
+# Clipping may keep a layer's per-sample gradients (then one weighted sum) instead of its input and grad_output (then
+# one more weight-gradient pass) where they take at most STORE_GROWTH times the memory of that state, so a layer
+# grows its kept memory by at most one state's worth. At 1.0, U-Net's 128->64 and 64->64 convs at 16x16 (1.5 and
+# 1.1 times their state) took the extra pass; per_sample.py --quantities c --contenders plain convgrad --repeats 7
+# measured U-Net's clipped step 1.53x plain at 1.0 and 1.30x at 2.0, the other models unchanged within their IQR.
+STORE_GROWTH = 2.0
 SAMPLE_MIXING = (nn.modules.batchnorm._BatchNorm,)  # module types whose forward may mix the samples of a batch
 
 
@@ -53,6 +59,11 @@ class Layer:
     def state_elements(self) -> int:
         """Elements kept to compute the gradients later (the captured input and grad_output)."""
         return self.x.numel() + self.gy.numel()
+
+    @property
+    def may_store(self) -> bool:
+        """Whether clipping may keep this layer's per-sample gradients instead of its state (``STORE_GROWTH``)."""
+        return self.grad_elements <= STORE_GROWTH * self.state_elements
 
     @property
     def grad_elements(self) -> int:
@@ -76,10 +87,10 @@ class Layer:
 
     def clip_plan(self) -> tuple[str, bool]:
         """How norms_only clips this layer: ("ghost" or "materialise", whether to keep the per-sample gradients for
-        a weighted sum instead of the state for one more gradient pass); kept only where they are smaller."""
+        a weighted sum instead of the state for one more gradient pass); kept only where ``may_store``."""
         if self.ghost_cheaper:
             return "ghost", False
-        return "materialise", self.grad_elements <= self.state_elements
+        return "materialise", self.may_store
 
     def clipped(self, factors: torch.Tensor) -> Grads:
         """{name: Σ_n factors[n]·grad[n]}, with one ordinary (batch-summed) gradient call on a scaled grad_output."""
@@ -159,9 +170,8 @@ class ConvLayer(Layer):
 
     def clip_plan(self) -> tuple[str, bool]:
         """The clipping plan measured for this layer (``per_sample.tuning``, purpose "clip"); storing the per-sample
-        gradients is allowed only where they take no more memory than the (input, grad_output) kept otherwise."""
-        method, _, kept = tuning.method_for(self.spec, *self.sides, "clip",
-                                            self.grad_elements <= self.state_elements).partition("+")
+        gradients is allowed only where ``may_store`` (at most STORE_GROWTH times the state kept otherwise)."""
+        method, _, kept = tuning.method_for(self.spec, *self.sides, "clip", self.may_store).partition("+")
         if method != "ghost":
             self._materialise = method
         return method, bool(kept)
