@@ -529,6 +529,13 @@ class ConvSpec:
         Tap t = s*q + rho meets x_read[s*(j + q) + rho], which is row j + q of phase rho (the rows rho::s):
         each of the s phases is read by a stride-1 conv with Q = ceil(k/s) taps over U = o + Q - 1 rows, so
         x is padded by ``pads``, x_read_pads with the high side grown to s*U rows (docs/derivation.md).
+
+        Returns:
+            tuple of (Q, U, (lo, hi)) per spatial dim.
+
+        Examples:
+            >>> ConvSpec.from_shapes((1, 1, 7), (1, 1, 3), stride=2, padding=1).stride_phases
+            ((2, 5, (1, 2)),)
         """
         out = []
         for k, s, o, (lo, hi), size in zip(self.kernel_size, self.stride, self.y_size, self.x_read_pads,
@@ -543,8 +550,17 @@ class ConvSpec:
         Sample n's channels become group block n, so the weight gradient of this conv, ``(N*w0, *w[1:])``, is the
         N per-sample weight gradients stacked (the fold torch.func's vmap applies to a convolution).
 
+        Returns:
+            ConvSpec: batch 1, ``N*C_in`` and ``N*C_out`` channels, ``N*groups`` groups; the spatial sizes, stride,
+            padding and dilation unchanged.
+
         Raises:
             ValueError: a batch of 0 (there is no conv to fold into).
+
+        Examples:
+            >>> folded = ConvSpec.from_shapes((3, 4, 9, 8), (6, 2, 3, 2), stride=2, groups=2).with_batch_in_groups()
+            >>> folded.input_shape, folded.weight_shape, folded.groups
+            ((1, 12, 9, 8), (18, 2, 3, 2), 6)
         """
         if self.batch < 1:
             raise ValueError(f"{self.fn}: with_batch_in_groups needs batch >= 1, got batch={self.batch}")
