@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import convgrad as cg
-from convgrad.per_sample import methods
+from convgrad.per_sample import methods, rules
 from helpers import TOL, Case, assert_matches_autograd, make_tensors, reference_forward, reference_grads
 
 DT = torch.float64
@@ -269,6 +269,21 @@ def test_grad_sample_matches_loop_and_vmap(name: str, make, shape: tuple[int, ..
         assert_matches_autograd(ordinary, expected, DT, f"{name} {reduction} .grad")
     norms = torch.cat([g.flatten(1) for g in refs[0].values()], 1).norm(dim=1)
     torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+
+
+@pytest.mark.parametrize(("name", "make", "shape"), [MODELS[0], MODELS[-1]], ids=[MODELS[0][0], MODELS[-1][0]])
+def test_normalisations_recomputed_a_sample_at_a_time_match_the_loop(name: str, make, shape: tuple[int, ...],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """GroupNorm, LayerNorm and BatchNorm's x̂ in chunks of one sample (NORM_CHUNK_ELEMENTS=1): each chunk's
+    gradients land on its own samples."""
+    monkeypatch.setattr(rules, "NORM_CHUNK_ELEMENTS", 1)
+    torch.manual_seed(0)
+    model = make().to(DT)
+    x = torch.randn(shape, dtype=DT)
+    ref = _model_references(model, x, use_vmap=False)[0]
+    with cg.PerSampleGrads(model):
+        _loss(model(x), "sum").backward()
+    assert_matches_autograd({k: p.grad_sample for k, p in model.named_parameters()}, ref, DT, name)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
@@ -784,3 +799,15 @@ def test_scratch_columns_are_reused_but_results_never_alias() -> None:
     assert g1.data_ptr() != g2.data_ptr()
     torch.testing.assert_close(2 * g1, g2)
     torch.testing.assert_close(norms, g1.flatten(1).square().sum(1))
+
+
+def test_clipping_releases_the_scratch_buffers_before_the_next_forward() -> None:
+    """The reused buffers (methods.scratch) would otherwise stay alive through the next step's forward."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 2)).to(DT)
+    psg = cg.PerSampleGrads(model, norms_only=True)
+    methods.scratch((64,), torch.zeros(1, dtype=DT))
+    with psg:
+        model(torch.randn(4, 3, 8, 8, dtype=DT)).sum().backward()
+    assert methods._SCRATCH
+    psg.clip_and_accumulate(1.0)
+    assert not methods._SCRATCH

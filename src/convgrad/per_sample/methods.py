@@ -130,8 +130,15 @@ def scratch(shape: tuple[int, ...], like: torch.Tensor, slot: str = "columns") -
     return buf[:numel].view(shape)
 
 
-def _chunks(n: int, per_sample: int) -> list[slice]:
-    size = max(1, CHUNK_ELEMENTS // max(per_sample, 1))
+def release_scratch() -> None:
+    """Drop the reused buffers of ``scratch``: PerSampleGrads calls it when a step's clipping is done, so that they
+    do not stay alive through the next forward, where a model's activations peak."""
+    _SCRATCH.clear()
+
+
+def sample_chunks(n: int, per_sample: int, elements: int = CHUNK_ELEMENTS) -> list[slice]:
+    """Slices of n samples, each holding about ``elements`` elements (at least one sample) of per_sample each."""
+    size = max(1, elements // max(per_sample, 1))
     return [slice(a, min(a + size, n)) for a in range(0, n, size)]
 
 
@@ -174,7 +181,7 @@ def _unfold(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor 
         out = empty((n, spec.y_channels, cxt), x)  # (N, C_y, C_x/g·T), the weight's layout per sample
     reuse = writable and plain(x) and not torch.is_grad_enabled()
     parts = []
-    for c in _chunks(n, spec.x_channels * spec.taps * spec.positions):
+    for c in sample_chunks(n, spec.x_channels * spec.taps * spec.positions):
         u = im2col(spec, x[c], reuse)  # (n', g, C_x/g·T, P)
         m = u.shape[0]
         a, b = _y_rows(spec, y[c]).reshape(m * g, cyg, -1), u.reshape(m * g, cxt, -1).transpose(1, 2)
@@ -229,7 +236,7 @@ def materialised_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, meth
     if method == "unfold":
         per_sample += spec.x_channels * spec.taps * spec.positions
     reuse = plain(x) and not torch.is_grad_enabled()
-    for c in _chunks(spec.batch, per_sample):
+    for c in sample_chunks(spec.batch, per_sample):
         sub = _batch(spec, c, spec.batch)
         if method == "unfold" and reuse:  # the columns go to scratch, so this chunk's gradients go to a buffer
             gw = _unfold(sub, x[c], y[c], scratch((sub.batch, *spec.weight_shape), x, "grads"))  # (n', *w)
@@ -250,7 +257,7 @@ def ghost_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Te
     out = x.new_zeros(spec.batch)
     g, p = spec.groups, spec.positions
     reuse = plain(x) and not torch.is_grad_enabled()
-    for c in _chunks(spec.batch, spec.x_channels * spec.taps * p + 2 * g * p * p):
+    for c in sample_chunks(spec.batch, spec.x_channels * spec.taps * p + 2 * g * p * p):
         u = im2col(spec, x[c], reuse)  # (n', g, C_x/g·T, P)
         gram_x = u.transpose(-1, -2) @ u  # (n', g, P, P)
         yr = _y_rows(spec, y[c])  # (n', g, C_y/g, P)

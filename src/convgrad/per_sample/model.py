@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from convgrad.per_sample import distributed
-from convgrad.per_sample.methods import sq_norms
+from convgrad.per_sample.methods import release_scratch, sq_norms
 from convgrad.per_sample.rules import SAMPLE_MIXING, Grads, Layer, mixes_samples, rule_for
 
 __all__ = ["PerSampleGrads"]
@@ -41,8 +41,13 @@ class _Tap(torch.autograd.Function):
     """Identity on a module's output; its backward runs PerSampleGrads on grad_output (see the module doc)."""
 
     @staticmethod
-    def forward(ctx: Any, callback: Any, output: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, callback: Any, input: torch.Tensor, output: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        # saved, not kept on ctx: autograd frees it once this node has run (unless retain_graph), as it frees the
+        # module's own saved input; an attribute would keep every layer's input alive to the end of the backward.
+        # Saving also makes an in-place change of the input after the forward an error instead of a wrong gradient
         ctx.callback = callback
+        ctx.save_for_backward(input)
         if output._base is not None:  # a view cannot be marked dirty
             return output.clone()
         ctx.mark_dirty(output)  # an in-place identity: later in-place ops on the output stay legal
@@ -53,7 +58,8 @@ class _Tap(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("PerSampleGrads: backward with create_graph=True is not supported; per-sample "
                                "gradients are not differentiable (run it outside the `with` block)")
-        return (None, grad_output, *ctx.callback(grad_output))
+        (input,) = ctx.saved_tensors
+        return (None, None, grad_output, *ctx.callback(input, grad_output))
 
 
 _SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn), Linear, GroupNorm, LayerNorm, "
@@ -261,8 +267,8 @@ class PerSampleGrads:
             raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) was called "
                              f"without a tensor input (args {len(args)}, keywords {sorted(kwargs)}) or returned "
                              f"{type(output).__name__}; its per-sample gradients need module(input) -> Tensor")
-        callback = functools.partial(self._backward, module, x.detach(), list(params))
-        return _Tap.apply(callback, output, *params.values())
+        callback = functools.partial(self._backward, module, list(params))
+        return _Tap.apply(callback, x.detach(), output, *params.values())
 
     def _direct_use(self, param: nn.Parameter, grad: torch.Tensor | None) -> None:
         """Hook on every trainable parameter: inside its module's forward it is swapped for a detached alias and _Tap
@@ -283,7 +289,7 @@ class PerSampleGrads:
             if id(p) not in self._before:
                 self._before[id(p)] = None if p.grad is None else p.grad.clone() if adds else p.grad
 
-    def _backward(self, module: nn.Module, x: torch.Tensor, names: list[str],
+    def _backward(self, module: nn.Module, names: list[str], x: torch.Tensor,
                   grad_output: torch.Tensor) -> list[torch.Tensor | None]:
         self._remember_grads([self._trainable[module][k] for k in names])
         scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
@@ -405,4 +411,5 @@ class PerSampleGrads:
         for p, g in zip(params, sums, strict=True):
             before, g = self._before.get(id(p), p.grad), g.to(p.dtype)  # autocast: the parameter's dtype
             p.grad = g if before is None else before + g
+        release_scratch()
         return norms

@@ -277,10 +277,18 @@ class LinearLayer(Layer):
         return out
 
 
-class _NormLayer(Layer):
-    """Affine parameters of a normalisation over each sample alone: x̂ is recomputed from the input."""
+# Samples per chunk when a normalisation's x̂ is recomputed: gy ⊙ x̂ of a whole batch is two temporaries the size of
+# the input, 16 MiB at WRN-16-4's 64x32x32 GroupNorm (batch 32), live while the backward still holds that stage's
+# activations; in chunks of this many elements they stay under 2 x 1 MiB.
+NORM_CHUNK_ELEMENTS = 1 << 18
 
-    def _normalised(self) -> torch.Tensor:
+
+class _NormLayer(Layer):
+    """Affine parameters of a normalisation over each sample alone: x̂ is recomputed from the input, a chunk of
+    samples at a time (``NORM_CHUNK_ELEMENTS``)."""
+
+    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
+        """x̂ of x, some of the samples of ``self.x``."""
         raise NotImplementedError
 
     def _sum_dims(self) -> list[int]:
@@ -294,7 +302,9 @@ class _NormLayer(Layer):
 
         out = {}
         if m.weight is not None and m.weight.requires_grad:
-            out["weight"] = total(self.gy * self._normalised())
+            n = self.x.shape[0]
+            parts = methods.sample_chunks(n, self.x[:1].numel(), NORM_CHUNK_ELEMENTS) if n else [slice(0, 0)]
+            out["weight"] = torch.cat([total(self.gy[c] * self._normalised(self.x[c])) for c in parts])
         if m.bias is not None and m.bias.requires_grad:
             out["bias"] = total(self.gy)
         return out
@@ -305,9 +315,9 @@ class _NormLayer(Layer):
 
 @register(nn.GroupNorm)
 class GroupNormLayer(_NormLayer):
-    def _normalised(self) -> torch.Tensor:
+    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
         m: nn.GroupNorm = self.module  # type: ignore[assignment]
-        return F.group_norm(self.x, m.num_groups, None, None, m.eps)  # (N, C, *spatial)
+        return F.group_norm(x, m.num_groups, None, None, m.eps)  # (n, C, *spatial)
 
     def _sum_dims(self) -> list[int]:
         return list(range(2, self.x.dim()))
@@ -315,9 +325,9 @@ class GroupNormLayer(_NormLayer):
 
 @register(nn.LayerNorm)
 class LayerNormLayer(_NormLayer):
-    def _normalised(self) -> torch.Tensor:
+    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
         m: nn.LayerNorm = self.module  # type: ignore[assignment]
-        return F.layer_norm(self.x, m.normalized_shape, None, None, m.eps)  # (N, *, *D)
+        return F.layer_norm(x, m.normalized_shape, None, None, m.eps)  # (n, *, *D)
 
     def _sum_dims(self) -> list[int]:
         return list(range(1, self.x.dim() - len(self.module.normalized_shape)))
@@ -328,9 +338,9 @@ class BatchNormLayer(_NormLayer):
     """BatchNorm with frozen running statistics (eval mode; PerSampleGrads refuses it in training mode at the
     forward): an affine map per channel, with no sample depending on another."""
 
-    def _normalised(self) -> torch.Tensor:
+    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
         m: nn.modules.batchnorm._BatchNorm = self.module  # type: ignore[assignment]
-        return F.batch_norm(self.x, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)  # (N, C, *)
+        return F.batch_norm(x, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)  # (n, C, *)
 
     def _sum_dims(self) -> list[int]:
         return list(range(2, self.x.dim()))
