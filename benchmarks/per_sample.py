@@ -17,8 +17,13 @@ interleaved rounds (the order rotating) and each time is divided by plain's in t
 table gives the median of those ratios over the rounds and their IQR, and the median time. One step's
 time varies 6-34% within a process on a shared machine; pairing within a round cancels load that comes
 and goes. CPU time (all threads) is reported beside wall time: a contender using one core of two shows
-CPU/wall near 1. Memory: each (model, contender, quantity) runs again in a fresh process, two steps;
-peak memory is the peak RSS (VmHWM) minus the RSS once the model, the data and the contender's wrappers are set up.
+CPU/wall near 1. Memory: each (model, contender, quantity) runs again in two fresh processes, two steps each
+(the first one includes convgrad's tuning), measured from the point where the model, the data and the contender's
+wrappers are set up. "peak RSS" is the process's peak resident memory (VmHWM) minus its RSS at that point: what
+the machine must have, glibc's heap fragmentation and oneDNN's scratchpads included. "peak allocated" is the peak
+of the bytes live in PyTorch's CPU allocator during the two steps (the torch profiler's memory events, the
+counterpart of ``torch.cuda.max_memory_allocated``): the tensors a method needs, whatever the allocator, given
+for the second step (steady; buffers kept from the first count) and for the first (convgrad's tuning included).
 Allocation: as in ``convgrad bench`` (``--malloc keep``, the default), the timing process asks glibc to keep
 freed memory, so that a step's tensors of hundreds of MB reuse pages instead of faulting fresh ones in: in one
 process holding every contender, VGG-11's (a) step of every contender was dominated by page faults and
@@ -40,6 +45,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -273,12 +279,42 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def memory_worker(model_name: str, contender: str, quantity: str) -> dict[str, Any]:
+def peak_allocated(trace: Path) -> dict[str, int]:
+    """Peaks of live bytes in a chrome trace of ``profile(profile_memory=True)`` around two steps, each inside a
+    ``record_function("step1")`` / ``("step2")``: {"step1": ..., "step2": ...}. The "[memory]" events carry the bytes
+    of each allocation (positive) and free (negative) of PyTorch's CPU allocator. A block allocated before the
+    profile began has no free event and does not count; one allocated in step 1 and still live (a reused
+    workspace, say) counts in step 2 as well."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = {e["name"]: (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("step")
+             and e.get("ph") == "X"}
+    live, peaks = 0, dict.fromkeys(spans, 0)
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        live += e["args"]["Bytes"]
+        for name, (lo, hi) in spans.items():
+            if lo <= e["ts"] <= hi:
+                peaks[name] = max(peaks[name], live)
+    return peaks
+
+
+def memory_worker(model_name: str, contender: str, quantity: str, kind: str) -> dict[str, Any]:
+    """Two steps in this fresh process: "rss", the growth of peak RSS over both; "allocated", the peak of live
+    tensor bytes in the first step (convgrad's tuning) and in the second (steady)."""
     torch.manual_seed(0)
     model = MODELS[model_name]()
     x, y = _data(model_name)
     step = SETUPS[contender](model, quantity)
     gc.collect()
+    if kind == "allocated":
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                        on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace))):
+                for name in ("step1", "step2"):
+                    with torch.profiler.record_function(name):
+                        _timed(step, model, x, y)
+            peaks = peak_allocated(trace)
+        return {"alloc_mib": peaks["step2"] / 2**20, "alloc_first_mib": peaks["step1"] / 2**20}
     base = _status_kib("VmRSS")
     for _ in range(2):
         _timed(step, model, x, y)
@@ -288,28 +324,46 @@ def memory_worker(model_name: str, contender: str, quantity: str) -> dict[str, A
     return {"peak_mib": (peak - base) / 1024}
 
 
-def measure_memory(args: argparse.Namespace, model: str, contender: str, quantity: str) -> float | str:
-    cmd = [sys.executable, __file__, "--memory-worker", model, contender, quantity, "--threads", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        return (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
+def measure_memory(args: argparse.Namespace, model: str, contender: str, quantity: str) -> dict[str, float | str]:
+    """{"peak_mib", "alloc_mib", "alloc_first_mib"}, RSS and allocated each from a fresh process of its own (the
+    profiler's event buffers would count in the RSS); an error's last line in place of a number."""
+    out: dict[str, float | str] = {}
+    for kind, keys in (("rss", ("peak_mib",)), ("allocated", ("alloc_mib", "alloc_first_mib"))):
+        cmd = [sys.executable, __file__, "--memory-worker", model, contender, quantity, kind,
+               "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode != 0:
+            out.update(dict.fromkeys(keys, (proc.stderr.strip().splitlines() or ["(no output)"])[-1]))
+        else:
+            out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
 
 
 # ---- report ---------------------------------------------------------------------------------------------------
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = ["| model | quantity | contender | time (s) | x plain (median, IQR) | CPU / wall | first step (s) | "
-             "peak memory (MiB) |", "|---|---|---|---|---|---|---|---|"]
+             "peak RSS (MiB) | peak allocated, steady / first step (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def mem_text(mem: Any) -> str:
+        return f"{mem:.0f}" if isinstance(mem, float) else (f"error: {mem}" if mem else "")
+
+    def alloc_text(r: dict[str, Any]) -> str:
+        steady, first = mem_text(r.get("alloc_mib")), mem_text(r.get("alloc_first_mib"))
+        return f"{steady} / {first}" if steady or first else ""
+
     for r in results:
-        mem = r.get("peak_mib")
-        mem_text = f"{mem:.0f}" if isinstance(mem, float) else (f"error: {mem}" if mem else "")
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['quantity']} | {r['contender']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['model']} | {r['quantity']} | {r['contender']} | error: {r['error']} | | | | | |")
             continue
         ratio = f"{r['ratio']:.2f} ({r['iqr'][0]:.2f}-{r['iqr'][1]:.2f})" if "ratio" in r else ""
         lines.append(f"| {r['model']} | {r['quantity']} | {r['contender']} | {r['time_s']:.3f} | {ratio} | "
-                     f"{r['cpu_s'] / r['time_s']:.2f} | {r['first_s']:.2f} | {mem_text} |")
+                     f"{r['cpu_s'] / r['time_s']:.2f} | {r['first_s']:.2f} | {mem_text(r.get('peak_mib'))} | "
+                     f"{alloc_text(r)} |")
     return "\n".join(lines)
+
+
+MEMORY = (("peak_mib", "peak RSS"), ("alloc_mib", "peak allocated (steady step)"),
+          ("alloc_first_mib", "peak allocated (first step)"))
 
 
 def targets(results: list[dict[str, Any]]) -> list[str]:
@@ -326,16 +380,18 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
             fastest = min(others, key=lambda r: r["time_s"])
             out.append(f"{m} (a): {fastest['time_s'] / ours_a['time_s']:.2f}x faster than the fastest contender, "
                        f"{fastest['contender']} (target >= 1.0x; >= 1.5x on resnet18, vgg11, wrn16_4)")
-            mems = [r["peak_mib"] for r in others if isinstance(r.get("peak_mib"), float)]
-            if isinstance(ours_a.get("peak_mib"), float) and mems:
-                out.append(f"{m} (a) memory: {ours_a['peak_mib']:.0f} MiB, lowest contender {min(mems):.0f} MiB "
-                           f"(target <=)")
+            for key, what in MEMORY:
+                mems = [r[key] for r in others if isinstance(r.get(key), float)]
+                if isinstance(ours_a.get(key), float) and mems:
+                    out.append(f"{m} (a) {what}: {ours_a[key]:.0f} MiB, lowest contender {min(mems):.0f} MiB "
+                               f"(target <=)")
         if ours_c and "ratio" in ours_c:
             bar = 1.3 if m in ("resnet18", "vgg11") else 1.5
             out.append(f"{m} (c): {ours_c['ratio']:.2f}x plain (target <= {bar}x)")
-            if plain and isinstance(ours_c.get("peak_mib"), float) and isinstance(plain.get("peak_mib"), float):
-                out.append(f"{m} (c) memory: {ours_c['peak_mib'] / max(plain['peak_mib'], 1e-9):.2f}x plain "
-                           f"(target <= 1.25x)")
+            for key, what in MEMORY:
+                if plain and isinstance(ours_c.get(key), float) and isinstance(plain.get(key), float):
+                    out.append(f"{m} (c) {what}: {ours_c[key] / max(plain[key], 1e-9):.2f}x plain "
+                               f"(target <= 1.25x)")
         for q in ("a", "b", "c"):
             r = ok.get((m, "convgrad", q))
             if r and plain:
@@ -357,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--malloc", choices=["keep", "system"], default="keep",
                    help="keep: glibc keeps freed memory while timing (no page faults per step); system: as is "
                         "(default: keep)")
-    p.add_argument("--memory-worker", nargs=3, metavar=("MODEL", "CONTENDER", "QUANTITY"), help=argparse.SUPPRESS)
+    p.add_argument("--memory-worker", nargs=4, metavar=("MODEL", "CONTENDER", "QUANTITY", "KIND"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # Opacus's and torch's hook warnings, once per contender
@@ -383,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         records = time_model(model, jobs, args.repeats)
         for r in records:
             if not args.no_memory and "error" not in r:
-                r["peak_mib"] = measure_memory(args, model, r["contender"], r["quantity"])
+                r.update(measure_memory(args, model, r["contender"], r["quantity"]))
         results += records
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))  # partial results survive
     md = (f"malloc while timing: {malloc}\n\n" + markdown(results) + "\n\n"
