@@ -192,6 +192,7 @@ class PerSampleGrads:
         self._before: dict[int, torch.Tensor | None] = {}  # id(param) -> .grad before this context's backward
         self._no_sync = contextlib.ExitStack()
         self._batch: tuple[int, nn.Module] | None = None  # the first module's batch size, and that module
+        self._release_queued = False  # release_scratch is queued for the end of the running backward
 
     def _check_tied(self, fn: str) -> None:
         """norms_only keeps one squared norm per module, which cannot add up a parameter shared by two."""
@@ -292,6 +293,9 @@ class PerSampleGrads:
     def _backward(self, module: nn.Module, names: list[str], x: torch.Tensor,
                   grad_output: torch.Tensor) -> list[torch.Tensor | None]:
         self._remember_grads([self._trainable[module][k] for k in names])
+        if not self._release_queued:  # the reused buffers serve every layer of this backward, then go
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            self._release_queued = True
         scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
         x = x if x.dtype == grad_output.dtype else x.to(grad_output.dtype)  # autocast: the input's own dtype
         layer = self._rules[module](module, x, grad_output.detach(), scale)
@@ -322,6 +326,12 @@ class PerSampleGrads:
                 rec.sq = layer.ghost_sq_norms() if how == "ghost" else layer.materialised_sq_norms()
                 rec.layer = layer
         return [None] * len(names)
+
+    def _backward_done(self) -> None:
+        """At the end of a backward: drop methods.scratch's buffers, so that they are not alive through the next
+        forward, where a model's activations peak."""
+        self._release_queued = False
+        release_scratch()
 
     def _check_batch(self, module: nn.Module, n: int) -> None:
         """Every supported module must see the same samples along dim 0: per-sample results of different batch
@@ -411,5 +421,4 @@ class PerSampleGrads:
         for p, g in zip(params, sums, strict=True):
             before, g = self._before.get(id(p), p.grad), g.to(p.dtype)  # autocast: the parameter's dtype
             p.grad = g if before is None else before + g
-        release_scratch()
         return norms
