@@ -136,9 +136,10 @@ def release_scratch() -> None:
     _SCRATCH.clear()
 
 
-def sample_chunks(n: int, per_sample: int, elements: int = CHUNK_ELEMENTS) -> list[slice]:
-    """Slices of n samples, each holding about ``elements`` elements (at least one sample) of per_sample each."""
-    size = max(1, elements // max(per_sample, 1))
+def sample_chunks(n: int, per_sample: int, elements: int | None = None) -> list[slice]:
+    """Slices of n samples, each holding about ``elements`` (default ``CHUNK_ELEMENTS``) elements, at least one
+    sample, of per_sample each."""
+    size = max(1, (CHUNK_ELEMENTS if elements is None else elements) // max(per_sample, 1))
     return [slice(a, min(a + size, n)) for a in range(0, n, size)]
 
 
