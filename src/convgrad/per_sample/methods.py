@@ -54,7 +54,11 @@ __all__ = [
     "weight_grad",
 ]
 
-CHUNK_ELEMENTS = 1 << 22  # scratch elements per chunk of the batch (16 MiB in float32)
+# Scratch elements per chunk of the batch (4 MiB in float32). At 16 MiB the small CNN's clipped step peaked with a
+# 16 MiB im2col chunk live beside its 13 MiB of activations; at 4 MiB, peak allocated (steady step, MiB) small CNN
+# 22.1 -> 20.9, WRN-16-4 177 -> 161, ResNet-18 202 -> 187, and per_sample.py --models small_cnn wrn16_4 resnet18
+# --quantities a c --contenders plain convgrad --repeats 7 measured no change in time (two runs each, within IQR).
+CHUNK_ELEMENTS = 1 << 20
 MIN_TILE = 64  # below this many entries per group's gradient, a GEMM per (sample, group) runs inefficiently
 # below this many positions P per sample, the folded native weight gradient runs inefficiently (module doc); the
 # cost model counts "native" as NATIVE_POSITIONS / P times its multiply-adds there
