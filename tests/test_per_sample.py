@@ -608,6 +608,29 @@ def test_tuned_methods_give_the_same_per_sample_results(tuned: None) -> None:
             assert not choice.pending and not choice.rejected
 
 
+@pytest.mark.parametrize("wrong", [0, 1, 3, 5, 6])
+def test_the_screening_rejects_a_method_wrong_on_one_screened_sample(tuned: None, wrong: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The screening compares four samples of each "grads" result (first two, middle, last; batch 7: 0, 1, 3, 6),
+    not the whole: a method wrong there is rejected, and the chosen one is right on every sample."""
+    from convgrad.per_sample import tuning
+
+    real = methods.weight_grad
+
+    def conv_off_by_one_sample(spec: cg.ConvSpec, x: torch.Tensor, y: torch.Tensor, method: str) -> torch.Tensor:
+        gw = real(spec, x, y, method)
+        return gw.index_add(0, torch.tensor([wrong]), torch.ones_like(gw[:1])) if method == "conv" else gw
+
+    monkeypatch.setattr(methods, "weight_grad", conv_off_by_one_sample)
+    x, gy = torch.randn(7, 4, 6, 6, dtype=DT), torch.randn(7, 4, 6, 6, dtype=DT)
+    spec = cg.ConvSpec.from_shapes(x.shape, (4, 4, 3, 3), 1, 1)
+    assert tuning._fixed(spec, "grads", False) == "unfold"  # the screening's reference, so "conv" is checked
+    choice = tuning.method_for(spec, x, gy, "grads")
+    rejected = tuning.chosen(spec, "grads", x).rejected  # type: ignore[union-attr]
+    assert ("conv" in rejected) == (wrong in (0, 1, 3, 6))
+    assert wrong == 5 or choice != "conv"
+
+
 def test_a_method_the_cost_model_puts_far_behind_is_never_run(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from convgrad.per_sample import tuning
 
