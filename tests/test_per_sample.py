@@ -843,3 +843,26 @@ def test_the_scratch_buffers_are_released_when_the_backward_ends(norms_only: boo
     assert seen and not methods._SCRATCH
     if norms_only:
         psg.clip_and_accumulate(1.0)
+
+
+def test_a_layers_input_changed_in_place_after_its_forward_is_refused_not_used() -> None:
+    """The input is saved on the layer's node: autograd's version check catches a later in-place change (before,
+    the per-sample gradient silently came from the changed input)."""
+    lin = nn.Linear(3, 4).to(DT)
+    x = torch.randn(5, 3, dtype=DT)
+    with cg.PerSampleGrads(lin):
+        y = lin(x)
+        x.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_a_second_backward_through_a_retained_graph_adds_its_per_sample_gradients() -> None:
+    lin = nn.Linear(3, 4).to(DT)
+    x = torch.randn(5, 3, dtype=DT)
+    with cg.PerSampleGrads(lin):
+        loss = lin(x).square().sum()
+        loss.backward(retain_graph=True)
+        first = lin.weight.grad_sample.clone()
+        loss.backward()
+    torch.testing.assert_close(lin.weight.grad_sample, 2 * first)
