@@ -49,6 +49,8 @@ __all__ = [
     "ghost_sq_norms",
     "im2col",
     "materialised_sq_norms",
+    "release_scratch",
+    "sample_chunks",
     "scratch",
     "sq_norms",
     "weight_grad",
@@ -135,8 +137,8 @@ def scratch(shape: tuple[int, ...], like: torch.Tensor, slot: str = "columns") -
 
 
 def release_scratch() -> None:
-    """Drop the reused buffers of ``scratch``: PerSampleGrads calls it when a step's clipping is done, so that they
-    do not stay alive through the next forward, where a model's activations peak."""
+    """Drop the reused buffers of ``scratch``: PerSampleGrads calls it when a backward ends, so that they do not
+    stay alive through the next forward, where a model's activations peak."""
     _SCRATCH.clear()
 
 
