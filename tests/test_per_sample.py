@@ -866,3 +866,17 @@ def test_a_second_backward_through_a_retained_graph_adds_its_per_sample_gradient
         first = lin.weight.grad_sample.clone()
         loss.backward()
     torch.testing.assert_close(lin.weight.grad_sample, 2 * first)
+
+
+def test_the_scratch_is_released_again_after_a_backward_that_raised() -> None:
+    """A backward that raises never runs the release queued at its first layer; the next context queues anew."""
+    conv = nn.Conv2d(2, 2, 3, padding=1).to(DT)
+    x = torch.randn(4, 2, 5, 5, dtype=DT)
+    psg = cg.PerSampleGrads(conv)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rules.tuning, "method_for", lambda *args: "unfold")  # a method that takes the scratch
+        with pytest.raises(ValueError, match="saw a batch"), psg:
+            (conv(x).sum() + conv(x[:1]).sum()).backward()
+        with psg:
+            conv(x).sum().backward()
+    assert not methods._SCRATCH

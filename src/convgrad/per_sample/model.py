@@ -232,6 +232,7 @@ class PerSampleGrads:
     def clear(self) -> None:
         """Forget every per-sample result: ``.grad_sample = None`` and no norms (called on entering)."""
         self._records, self._before, self._batch = {}, {}, None
+        self._release_queued = False  # a backward that raised never ran the release it queued
         for p in self._params():
             p.grad_sample = None  # type: ignore[attr-defined]
 
