@@ -826,21 +826,27 @@ def test_scratch_columns_are_reused_but_results_never_alias() -> None:
 
 @pytest.mark.parametrize("norms_only", [False, True])
 def test_the_scratch_buffers_are_released_when_the_backward_ends(norms_only: bool) -> None:
-    """The reused buffers (methods.scratch) serve the layers of one backward; kept, they would stay alive through
-    the next step's forward."""
+    """The reused buffers (methods.scratch) serve the chunks of one layer: none is left when the next layer's part
+    of the backward starts, nor after the backward (kept, they sat beside the next layer's transients)."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 2)).to(DT)
-    seen = []
-    scratch = methods.scratch
+    seen, left = [], []
+    scratch, layer_backward = methods.scratch, cg.PerSampleGrads._layer_backward
+    methods.release_scratch()  # what the functional calls of other tests left
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
         seen.append(True)
         return scratch(*args, **kwargs)
 
+    def entry(*args: object) -> object:
+        left.append(len(methods._SCRATCH))  # buffers left by the layers before
+        return layer_backward(*args)
+
     with pytest.MonkeyPatch.context() as mp, cg.PerSampleGrads(model, norms_only=norms_only) as psg:
         mp.setattr(methods, "scratch", spy)
+        mp.setattr(cg.PerSampleGrads, "_layer_backward", entry)
         mp.setattr(rules.tuning, "method_for", lambda *args: "unfold")  # a method that takes the scratch
         model(torch.randn(4, 3, 8, 8, dtype=DT)).sum().backward()
-    assert seen and not methods._SCRATCH
+    assert seen and left == [0, 0, 0] and not methods._SCRATCH
     if norms_only:
         psg.clip_and_accumulate(1.0)
 
@@ -869,7 +875,7 @@ def test_a_second_backward_through_a_retained_graph_adds_its_per_sample_gradient
 
 
 def test_the_scratch_is_released_again_after_a_backward_that_raised() -> None:
-    """A backward that raises never runs the release queued at its first layer; the next context queues anew."""
+    """A layer whose part of the backward raises still releases the buffers it took."""
     conv = nn.Conv2d(2, 2, 3, padding=1).to(DT)
     x = torch.randn(4, 2, 5, 5, dtype=DT)
     psg = cg.PerSampleGrads(conv)
