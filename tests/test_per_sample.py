@@ -127,6 +127,56 @@ def test_per_sample_weight_grad_in_a_graph_and_under_vmap(method: str) -> None:
     torch.testing.assert_close(batched, torch.stack([f(a, b) for a, b in zip(xs, gys, strict=True)]))
 
 
+@pytest.mark.parametrize("case", [c for c in LAYER_CASES if c.input_shape[0] > 1], ids=str)
+def test_every_method_in_chunks_of_two_samples_matches_the_loop(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of the batch (``methods.layer_chunks``) cut each method's work; chunks of two samples of a batch of
+    three cross a boundary and keep an order within. The spy shows that "native" ran per chunk."""
+    calls = []
+    native_call = methods._native_call
+    monkeypatch.setattr(methods, "layer_chunks", lambda spec, per_sample, sides=1.0: methods.sample_chunks(
+        spec.batch, per_sample, 2 * per_sample))
+    monkeypatch.setattr(methods, "_native_call", lambda *a: calls.append(a[0].batch) or native_call(*a))
+    t = make_tensors(case)
+    ref = _loop_reference(case, t)
+    for method in ("unfold", "conv", "native"):
+        got = cg.per_sample_weight_grad(t["input"], case.weight_shape, t["grad_output"], method=method, **_kw(case))
+        torch.testing.assert_close(got, ref["grad_weight"], **TOL[DT], msg=lambda m, k=method: f"{case} {k}: {m}")
+    for method in ("ghost", "unfold", "conv", "native"):
+        got = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], bias=False, method=method,
+                                       **_kw(case))
+        torch.testing.assert_close(got, ref["grad_weight"].flatten(1).norm(dim=1), **TOL[DT])
+    assert sorted(set(calls)) == [1, 2]  # (2, 1) per call of a batch of three
+
+
+def test_native_in_chunks_stays_differentiable_and_batches_under_vmap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(methods, "layer_chunks", lambda spec, per_sample, sides=1.0: methods.sample_chunks(
+        spec.batch, per_sample, per_sample))
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 4, 5, 5, generator=g, dtype=DT, requires_grad=True)
+    gy = torch.randn(3, 6, 5, 5, generator=g, dtype=DT, requires_grad=True)
+
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return cg.per_sample_weight_grad(a, (6, 2, 3, 3), b, padding=1, groups=2, method="native")
+
+    assert torch.autograd.gradcheck(f, (x, gy))
+    xs, gys = torch.stack([x.detach(), -x.detach()]), torch.stack([gy.detach(), 2 * gy.detach()])  # (2, N, ...)
+    batched = torch.func.vmap(f)(xs, gys)
+    torch.testing.assert_close(batched, torch.stack([f(a, b) for a, b in zip(xs, gys, strict=True)]))
+
+
+def test_a_layers_chunks_hold_at_most_its_own_sides_or_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer whose input and grad_output (x + y) are smaller than CHUNK_ELEMENTS gets chunks of at most x + y;
+    with sides=2 (the native kernel) at most 2(x + y), but never below one CHUNK_ELEMENTS."""
+    monkeypatch.setattr(methods, "CHUNK_ELEMENTS", 1000)
+    small = cg.ConvSpec.from_shapes((8, 2, 4, 4), (3, 2, 3, 3), 1, 1)  # x + y = 8 * (32 + 48) = 640
+    assert [c.stop - c.start for c in methods.layer_chunks(small, 100)] == [6, 2]  # 640 // 100
+    assert [c.stop - c.start for c in methods.layer_chunks(small, 100, sides=2.0)] == [8]  # 1280 // 100 > 8
+    big = cg.ConvSpec.from_shapes((8, 4, 8, 8), (4, 4, 3, 3), 1, 1)  # x + y = 4096
+    assert [c.stop - c.start for c in methods.layer_chunks(big, 300)] == [3, 3, 2]  # 1000 // 300
+    assert [c.stop - c.start for c in methods.layer_chunks(big, 3000, sides=2.0)] == [2, 2, 2, 2]  # 8192 // 3000
+    assert [c.stop - c.start for c in methods.layer_chunks(big, 5000)] == [1] * 8  # one sample at least
+
+
 def test_ghost_norm_keeps_groups_apart_backpack_batchl2grad_bug() -> None:
     """BackPACK's BatchL2Grad sums the Gram matrices over groups before the inner product; that is wrong."""
     case = _case("groups2", 4, 4, (6, 6), (3, 3), groups=2, padding=1, batch=2)

@@ -10,8 +10,9 @@ A forward conv has x = input, y = grad_output; a transposed conv the reverse. On
 the diagonal (same-group) blocks are ever formed: U is laid out per group, so the
 GEMM never multiplies channels of one group with those of another.
 
-Temporaries are bounded by processing the batch in chunks of at most
-``CHUNK_ELEMENTS`` elements of scratch space.
+Temporaries are bounded by processing the batch in chunks (``layer_chunks``): at most
+``CHUNK_ELEMENTS`` elements and at most the layer's own input and grad_output; the
+native kernel's copies at most twice those.
 
 "native" runs PyTorch's own weight-gradient kernel (oneDNN on the CPU, cuDNN on CUDA) once, on the batch folded
 into the groups (``ConvSpec.with_batch_in_groups``: the input as (1, N·C_x, *i), grad_output as (1, N·C_y, *o),
@@ -48,6 +49,7 @@ __all__ = [
     "choose_method",
     "ghost_sq_norms",
     "im2col",
+    "layer_chunks",
     "materialised_sq_norms",
     "release_scratch",
     "sample_chunks",
@@ -124,9 +126,10 @@ def scratch(shape: tuple[int, ...], like: torch.Tensor, slot: str = "columns") -
 
     Fresh memory of this size is page-faulted on first touch: on the small CNN of benchmarks/per_sample.py the
     im2col copy of its second conv (9 MiB) took 28 ms in a training step against 0.9 ms into reused memory
-    (torch.profiler, 2 busy shared cores). A buffer stays alive between calls; chunks bound it
-    (``CHUNK_ELEMENTS``, unless one sample alone is bigger). Plain tensors only (see ``convgrad._ops.plain``):
-    a transform's wrapper or autograd would see the buffer reused. One buffer per ``slot``.
+    (torch.profiler, 2 busy shared cores). A buffer stays alive between calls (the chunks of one layer:
+    PerSampleGrads releases it after each layer); chunks bound it (``layer_chunks``, unless one sample alone is
+    bigger). Plain tensors only (see ``convgrad._ops.plain``): a transform's wrapper or autograd would see the buffer
+    reused. One buffer per ``slot``.
     """
     numel = math.prod(shape)
     key = (slot, like.dtype, like.device)
@@ -137,8 +140,8 @@ def scratch(shape: tuple[int, ...], like: torch.Tensor, slot: str = "columns") -
 
 
 def release_scratch() -> None:
-    """Drop the reused buffers of ``scratch``: PerSampleGrads calls it when a backward ends, so that they do not
-    stay alive through the next forward, where a model's activations peak."""
+    """Drop the reused buffers of ``scratch``: PerSampleGrads calls it when a layer's part of the backward ends, so
+    that they do not stay alive beside the next layers' work nor through the next forward."""
     _SCRATCH.clear()
 
 
@@ -147,6 +150,16 @@ def sample_chunks(n: int, per_sample: int, elements: int | None = None) -> list[
     sample, of per_sample each."""
     size = max(1, (CHUNK_ELEMENTS if elements is None else elements) // max(per_sample, 1))
     return [slice(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def layer_chunks(spec: ConvSpec, per_sample: int, sides: float = 1.0) -> list[slice]:
+    """``sample_chunks`` of a layer's batch, each holding at most ``CHUNK_ELEMENTS`` and at most ``sides`` times
+    the layer's own input and grad_output together (``spec``'s x and y), so that its working memory stays within
+    what its plain backward holds. On the small CNN's 32->64 at 16x16 (x and y: 3 MiB, batch 32) a 4 MiB im2col
+    chunk beside the stored gradients set the clipped step's peak. ``sides`` > 1 lifts the first bound too."""
+    state = math.prod(spec.x_shape) + math.prod(spec.y_shape)
+    bound = min(CHUNK_ELEMENTS, state) if sides <= 1 else max(CHUNK_ELEMENTS, int(sides * state))
+    return sample_chunks(spec.batch, per_sample, bound)
 
 
 def im2col(spec: ConvSpec, x: torch.Tensor, reuse: bool = False) -> torch.Tensor:
@@ -188,7 +201,7 @@ def _unfold(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor 
         out = empty((n, spec.y_channels, cxt), x)  # (N, C_y, C_x/g·T), the weight's layout per sample
     reuse = writable and plain(x) and not torch.is_grad_enabled()
     parts = []
-    for c in sample_chunks(n, spec.x_channels * spec.taps * spec.positions):
+    for c in layer_chunks(spec, spec.x_channels * spec.taps * spec.positions):
         u = im2col(spec, x[c], reuse)  # (n', g, C_x/g·T, P)
         m = u.shape[0]
         a, b = _y_rows(spec, y[c]).reshape(m * g, cyg, -1), u.reshape(m * g, cxt, -1).transpose(1, 2)
@@ -219,7 +232,25 @@ def _conv(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """PyTorch's weight gradient of the batch folded into the groups: (N, *weight_shape), one call."""
+    """PyTorch's weight gradient of the batch folded into the groups: (N, *weight_shape), one call per chunk of the
+    batch. The kernel's working memory grows with its call: oneDNN copies both sides and the result into its
+    blocked layout (peak of one call, batch 32, torch.profiler: x + y + 2 x result; 7.5 MiB on the small CNN's
+    32->64 at 16x16, where it set the clipped step's peak). A chunk holds at most twice the layer's x and y: at
+    once, WRN-16-4's 64->64 at 32x32 (result 4.5 MiB, x and y 16 MiB) ran in two calls, 4% slower."""
+    one = spec.with_batch(1)  # one sample's sides and gradient
+    ws = math.prod(one.x_shape) + math.prod(one.y_shape) + 2 * math.prod(spec.weight_shape)
+    parts = layer_chunks(spec, ws, sides=2.0)
+    if len(parts) == 1:
+        return _native_call(spec, x, y)
+    out = empty((spec.batch, *spec.weight_shape), x) if _writable(x, y) else None
+    if out is None:  # in a graph or under vmap: no writes into a buffer
+        return torch.cat([_native_call(_batch(spec, c, spec.batch), x[c], y[c]) for c in parts])
+    for c in parts:
+        out[c] = _native_call(_batch(spec, c, spec.batch), x[c], y[c])  # (n', *weight_shape)
+    return out
+
+
+def _native_call(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     inp, gy = (y, x) if spec.transposed else (x, y)  # the conv's input and grad_output
     folded = spec.with_batch_in_groups()
     gw = get_backend("native").weight_grad(folded, inp.reshape(1, -1, *inp.shape[2:]),  # (1, N·C_in, *i)
@@ -243,7 +274,7 @@ def materialised_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, meth
     if method == "unfold":
         per_sample += spec.x_channels * spec.taps * spec.positions
     reuse = plain(x) and not torch.is_grad_enabled()
-    for c in sample_chunks(spec.batch, per_sample):
+    for c in layer_chunks(spec, per_sample):
         sub = _batch(spec, c, spec.batch)
         if method == "unfold" and reuse:  # the columns go to scratch, so this chunk's gradients go to a buffer
             gw = _unfold(sub, x[c], y[c], scratch((sub.batch, *spec.weight_shape), x, "grads"))  # (n', *w)
@@ -264,7 +295,7 @@ def ghost_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Te
     out = x.new_zeros(spec.batch)
     g, p = spec.groups, spec.positions
     reuse = plain(x) and not torch.is_grad_enabled()
-    for c in sample_chunks(spec.batch, spec.x_channels * spec.taps * p + 2 * g * p * p):
+    for c in layer_chunks(spec, spec.x_channels * spec.taps * p + 2 * g * p * p):
         u = im2col(spec, x[c], reuse)  # (n', g, C_x/g·T, P)
         gram_x = u.transpose(-1, -2) @ u  # (n', g, P, P)
         yr = _y_rows(spec, y[c])  # (n', g, C_y/g, P)
