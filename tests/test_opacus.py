@@ -199,6 +199,23 @@ def test_grad_and_norm_samplers_match_a_loop_per_parameter(name: str, make, shap
         torch.testing.assert_close(norms[p], ref[p].flatten(1).norm(dim=1), **TOL[DT])
 
 
+def test_the_samplers_leave_no_scratch_buffer_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sampler call is one layer (``methods.one_layer``): the im2col columns it reused go when it returns."""
+    from convgrad.per_sample import methods, rules
+
+    monkeypatch.setattr(rules.tuning, "method_for", lambda *args: "unfold")  # a method that takes the scratch
+    taken = []
+    scratch = methods.scratch
+    monkeypatch.setattr(methods, "scratch", lambda *a, **k: taken.append(1) or scratch(*a, **k))
+    conv = nn.Conv2d(3, 4, 3).to(DT)
+    x, gy = torch.randn(5, 3, 6, 6, dtype=DT), torch.randn(5, 4, 4, 4, dtype=DT)
+    for sampler in (cgo.grad_sampler, cgo.norm_sampler):
+        taken.clear()
+        with torch.no_grad():  # as in Opacus's backward hooks: the scratch is used outside a graph only
+            sampler(conv, [x], gy)
+        assert taken and not methods._SCRATCH, sampler.__name__
+
+
 def test_register_and_unregister_restore_what_was_there() -> None:
     grad, norm = GradSampleHooks.GRAD_SAMPLERS, GradSampleHooksFastGradientClipping.NORM_SAMPLERS
     before = (dict(grad), dict(norm))

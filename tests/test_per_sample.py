@@ -901,6 +901,18 @@ def test_the_scratch_buffers_are_released_when_the_backward_ends(norms_only: boo
         psg.clip_and_accumulate(1.0)
 
 
+@pytest.mark.parametrize("method", ["unfold", "ghost", "auto"])
+def test_a_functional_call_leaves_no_scratch_buffer_behind(method: str) -> None:
+    x, gy = torch.randn(5, 3, 6, 6, dtype=DT), torch.randn(5, 4, 4, 4, dtype=DT)
+    with torch.no_grad():  # the scratch is used outside a graph only
+        if method != "ghost":
+            cg.per_sample_weight_grad(x, (4, 3, 3, 3), gy, method=method)
+            assert not methods._SCRATCH
+        methods.scratch((4,), x)
+        cg.per_sample_grad_norms(x, (4, 3, 3, 3), gy, method=method)
+    assert not methods._SCRATCH
+
+
 def test_a_layers_input_changed_in_place_after_its_forward_is_refused_not_used() -> None:
     """The input is saved on the layer's node: autograd's version check catches a later in-place change (before,
     the per-sample gradient silently came from the changed input)."""

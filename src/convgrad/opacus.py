@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from convgrad.per_sample.methods import one_layer
 from convgrad.per_sample.rules import ConvLayer
 
 __all__ = ["grad_sampler", "norm_sampler", "register", "unregister"]
@@ -71,7 +72,8 @@ def grad_sampler(module: nn.Module, activations: list[torch.Tensor],
         >>> grads[conv.weight].shape, grads[conv.bias].shape
         (torch.Size([5, 4, 2, 3]), torch.Size([5, 4]))
     """
-    return {getattr(module, k): g for k, g in _rule(module, activations, backprops).grads().items()}
+    with one_layer():
+        return {getattr(module, k): g for k, g in _rule(module, activations, backprops).grads().items()}
 
 
 def norm_sampler(module: nn.Module, activations: list[torch.Tensor],
@@ -95,7 +97,8 @@ def norm_sampler(module: nn.Module, activations: list[torch.Tensor],
         >>> all(torch.allclose(norms[p], g.flatten(1).norm(dim=1), rtol=1e-4) for p, g in grads.items())
         True
     """
-    sq = _rule(module, activations, backprops).param_sq_norms()
+    with one_layer():
+        sq = _rule(module, activations, backprops).param_sq_norms()
     return {getattr(module, k): s.clamp(min=0).sqrt() for k, s in sq.items()}  # rounding can go below 0
 
 

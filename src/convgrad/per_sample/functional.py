@@ -100,9 +100,10 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
     if method == "ghost":
         raise ValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
                          f"'unfold', 'conv', 'native' or 'auto'")
-    if method == "auto":
-        method = tuning.method_for(spec, x, y, "grads")
-    return methods.weight_grad(spec, x, y, method)
+    with methods.one_layer():
+        if method == "auto":
+            method = tuning.method_for(spec, x, y, "grads")
+        return methods.weight_grad(spec, x, y, method)
 
 
 def per_sample_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
@@ -196,12 +197,13 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
                         output_padding, method)
     if not isinstance(bias, bool):
         raise TypeError(f"{fn}: bias={bias!r} must be a bool")
-    if method == "auto":
-        method = tuning.method_for(spec, x, y, "norms")
-    if method == "ghost":
-        sq = methods.ghost_sq_norms(spec, x, y)
-    else:
-        sq = methods.materialised_sq_norms(spec, x, y, method)
+    with methods.one_layer():
+        if method == "auto":
+            method = tuning.method_for(spec, x, y, "norms")
+        if method == "ghost":
+            sq = methods.ghost_sq_norms(spec, x, y)
+        else:
+            sq = methods.materialised_sq_norms(spec, x, y, method)
     if bias:
         sq = sq + per_sample_bias_grad(grad_output).square().sum(1)
     return sq.sqrt()

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from convgrad.per_sample import distributed
-from convgrad.per_sample.methods import release_scratch, sq_norms
+from convgrad.per_sample.methods import one_layer, sq_norms
 from convgrad.per_sample.rules import SAMPLE_MIXING, Grads, Layer, mixes_samples, rule_for
 
 __all__ = ["PerSampleGrads"]
@@ -291,14 +291,9 @@ class PerSampleGrads:
 
     def _backward(self, module: nn.Module, names: list[str], x: torch.Tensor,
                   grad_output: torch.Tensor) -> list[torch.Tensor | None]:
-        """One layer's part of the backward (see ``_Tap``); ``methods.scratch``'s buffers serve the chunks of this
-        layer only, then go: kept to the next layer, they sat beside its transients and the activations the
-        backward still holds (WRN-16-4's clipped step peaked with 4 MiB of im2col columns left by a layer already
-        done; the peak of a steady step, 161 -> 156 MiB against the plain step's 126)."""
-        try:
+        """One layer's part of the backward (see ``_Tap``), as ``methods.one_layer``: its scratch buffers go after."""
+        with one_layer():
             return self._layer_backward(module, names, x, grad_output)
-        finally:
-            release_scratch()
 
     def _layer_backward(self, module: nn.Module, names: list[str], x: torch.Tensor,
                         grad_output: torch.Tensor) -> list[torch.Tensor | None]:
