@@ -14,17 +14,17 @@ Temporaries are bounded by processing the batch in chunks (``layer_chunks``): at
 ``CHUNK_ELEMENTS`` elements and at most the layer's own input and grad_output; the
 native kernel's copies at most twice those.
 
-"native" runs PyTorch's own weight-gradient kernel (oneDNN on the CPU, cuDNN on CUDA) once, on the batch folded
-into the groups (``ConvSpec.with_batch_in_groups``: the input as (1, N·C_x, *i), grad_output as (1, N·C_y, *o),
-groups N·g), with no im2col copy and no copy of the result: sample n's gradient is group block n. This is how
-torch.func's vmap computes a convolution's per-sample gradients. On the CPU wheel, whose BLAS is MKL, that kernel
-multiplies faster than the batched GEMM of "unfold" where a sample has many positions (batch 32, 2 threads,
-torch.utils.benchmark, ms, native / unfold / conv / PyTorch's one summed weight gradient): the small CNN's
-32->64 at 16x16 1.19 / 2.83 / 4.58 / 1.05, ResNet-18's 64->64 at 32x32 9.6 / 22.1 / 30.6 / 9.0 and 128->128
-at 16x16 8.8 / 17.6 / 24.3 / 7.9. With few positions it runs inefficiently (256 channels at 8x8: 18.4 against
-unfold's 19.1; 512 at 4x4: 47.5 against 26.1), which the cost model's ``NATIVE_POSITIONS`` prices in
-(``convgrad.per_sample.tuning.estimates``). It replaced one call per sample (64->64 at 32x32: 12.6 ms; 32->64
-at 16x16: 4.1 ms).
+"native" runs PyTorch's own weight-gradient kernel (oneDNN on the CPU, cuDNN on CUDA) once per chunk, on the batch
+folded into the groups (``ConvSpec.with_batch_in_groups``: the input as (1, N·C_x, *i), grad_output as (1, N·C_y,
+*o), groups N·g), with no im2col copy: sample n's gradient is group block n (copied into place where the batch takes
+more than one chunk). This is how torch.func's vmap computes a convolution's per-sample gradients. On the CPU wheel,
+whose BLAS is MKL, that kernel multiplies faster than the batched GEMM of "unfold" where a sample has many positions
+(batch 32, 2 threads, torch.utils.benchmark, ms, native / unfold / conv / PyTorch's one summed weight gradient): the
+small CNN's 32->64 at 16x16 1.19 / 2.83 / 4.58 / 1.05, ResNet-18's 64->64 at 32x32 9.6 / 22.1 / 30.6 / 9.0 and
+128->128 at 16x16 8.8 / 17.6 / 24.3 / 7.9. With few positions it runs inefficiently (256 channels at 8x8: 18.4
+against unfold's 19.1; 512 at 4x4: 47.5 against 26.1), which the cost model's ``NATIVE_POSITIONS`` prices in
+(``convgrad.per_sample.tuning.estimates``). It replaced one call per sample (64->64 at 32x32: 12.6 ms; 32->64 at
+16x16: 4.1 ms).
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ def layer_chunks(spec: ConvSpec, per_sample: int, sides: float = 1.0) -> list[sl
     """``sample_chunks`` of a layer's batch, each holding at most ``CHUNK_ELEMENTS`` and at most ``sides`` times
     the layer's own input and grad_output together (``spec``'s x and y), so that its working memory stays within
     what its plain backward holds. On the small CNN's 32->64 at 16x16 (x and y: 3 MiB, batch 32) a 4 MiB im2col
-    chunk beside the stored gradients set the clipped step's peak. ``sides`` > 1 lifts the first bound too."""
+    chunk beside the stored gradients set the clipped step's peak. With ``sides`` > 1 (the native kernel, whose
+    copies grow with its call) the bound is ``sides`` times x and y, and never below ``CHUNK_ELEMENTS``."""
     state = math.prod(spec.x_shape) + math.prod(spec.y_shape)
     bound = min(CHUNK_ELEMENTS, state) if sides <= 1 else max(CHUNK_ELEMENTS, int(sides * state))
     return sample_chunks(spec.batch, per_sample, bound)
@@ -250,7 +251,8 @@ def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     batch. The kernel's working memory grows with its call: oneDNN copies both sides and the result into its
     blocked layout (peak of one call, batch 32, torch.profiler: x + y + 2 x result; 7.5 MiB on the small CNN's
     32->64 at 16x16, where it set the clipped step's peak). A chunk holds at most twice the layer's x and y: at
-    once, WRN-16-4's 64->64 at 32x32 (result 4.5 MiB, x and y 16 MiB) ran in two calls, 4% slower."""
+    once, WRN-16-4's 64->64 at 32x32 (result 4.5 MiB, x and y 16 MiB) ran in two calls, 63.3 against 60.8 ms
+    (torch.utils.benchmark, batch 32, 2 threads)."""
     one = spec.with_batch(1)  # one sample's sides and gradient
     ws = math.prod(one.x_shape) + math.prod(one.y_shape) + 2 * math.prod(spec.weight_shape)
     parts = layer_chunks(spec, ws, sides=2.0)
