@@ -381,6 +381,11 @@ class ConvSpec:
         return (self.batch, self.y_channels, *self.y_size)
 
     @property
+    def side_elements(self) -> int:
+        """Elements of x and y together, the whole batch (a layer's input and grad_output)."""
+        return math.prod(self.x_shape) + math.prod(self.y_shape)
+
+    @property
     def is_symmetric(self) -> bool:
         """True when every dim pads equally on both sides (expressible as one int per dim in torch)."""
         return all(lo == hi for lo, hi in self.padding)

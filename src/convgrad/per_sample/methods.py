@@ -159,10 +159,9 @@ def one_layer() -> Iterator[None]:
         release_scratch()
 
 
-def sample_chunks(n: int, per_sample: int, elements: int | None = None) -> list[slice]:
-    """Slices of n samples, each holding about ``elements`` (default ``CHUNK_ELEMENTS``) elements, at least one
-    sample, of per_sample each."""
-    size = max(1, (CHUNK_ELEMENTS if elements is None else elements) // max(per_sample, 1))
+def sample_chunks(n: int, per_sample: int, elements: int) -> list[slice]:
+    """Slices of n samples, each holding about ``elements`` elements, at least one sample, of per_sample each."""
+    size = max(1, elements // max(per_sample, 1))
     return [slice(a, min(a + size, n)) for a in range(0, n, size)]
 
 
@@ -172,7 +171,7 @@ def layer_chunks(spec: ConvSpec, per_sample: int, sides: float = 1.0) -> list[sl
     what its plain backward holds. On the small CNN's 32->64 at 16x16 (x and y: 3 MiB, batch 32) a 4 MiB im2col
     chunk beside the stored gradients set the clipped step's peak. With ``sides`` > 1 (the native kernel, whose
     copies grow with its call) the bound is ``sides`` times x and y, and never below ``CHUNK_ELEMENTS``."""
-    state = math.prod(spec.x_shape) + math.prod(spec.y_shape)
+    state = spec.side_elements
     bound = min(CHUNK_ELEMENTS, state) if sides <= 1 else max(CHUNK_ELEMENTS, int(sides * state))
     return sample_chunks(spec.batch, per_sample, bound)
 
@@ -253,8 +252,7 @@ def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     32->64 at 16x16, where it set the clipped step's peak). A chunk holds at most twice the layer's x and y: at
     once, WRN-16-4's 64->64 at 32x32 (result 4.5 MiB, x and y 16 MiB) ran in two calls, 63.3 against 60.8 ms
     (torch.utils.benchmark, batch 32, 2 threads)."""
-    one = spec.with_batch(1)  # one sample's sides and gradient
-    ws = math.prod(one.x_shape) + math.prod(one.y_shape) + 2 * math.prod(spec.weight_shape)
+    ws = spec.with_batch(1).side_elements + 2 * math.prod(spec.weight_shape)  # one sample's sides, twice its result
     parts = layer_chunks(spec, ws, sides=2.0)
     if len(parts) == 1:
         return _native_call(spec, x, y)
