@@ -63,7 +63,7 @@ def _expected(max_norm: float) -> dict[str, torch.Tensor]:
 def _max_norm() -> float:
     """A bound between the smallest and the largest per-sample norm, so that some samples are clipped."""
     model, (x, y) = _model(), _data()
-    with cg.PerSampleGrads(model) as psg:
+    with cg.PerSampleGrads(model, loss_reduction="sum") as psg:
         F.cross_entropy(model(x), y, reduction="sum").backward()
     return float(psg.norms().median())
 
@@ -75,7 +75,7 @@ def _psg_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, max_norm: float,
     ddp.zero_grad(set_to_none=True)
     untouched = []
     for xb, yb in zip(x.tensor_split(parts), y.tensor_split(parts), strict=True):
-        with cg.PerSampleGrads(ddp, norms_only=norms_only) as psg:
+        with cg.PerSampleGrads(ddp, loss_reduction="sum", norms_only=norms_only) as psg:
             F.cross_entropy(ddp(xb), yb, reduction="sum").backward()
         untouched.append(all(p.grad is None for p in ddp.parameters()))
         psg.clip_and_accumulate(max_norm)

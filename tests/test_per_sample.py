@@ -331,7 +331,7 @@ def test_normalisations_recomputed_a_sample_at_a_time_match_the_loop(name: str, 
     model = make().to(DT)
     x = torch.randn(shape, dtype=DT)
     ref = _model_references(model, x, use_vmap=False)[0]
-    with cg.PerSampleGrads(model):
+    with cg.PerSampleGrads(model, loss_reduction="sum"):
         _loss(model(x), "sum").backward()
     assert_matches_autograd({k: p.grad_sample for k, p in model.named_parameters()}, ref, DT, name)
 
@@ -363,7 +363,7 @@ def test_norms_only_and_clip_and_accumulate_match_materialised(name: str, make, 
 
 def test_norms_only_on_an_empty_batch_gives_zero_gradients() -> None:
     model = Mixed("circular").to(DT)
-    with cg.PerSampleGrads(model, norms_only=True) as psg:
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=True) as psg:
         _loss(model(torch.randn(0, 2, 7, 6, dtype=DT)), "sum").backward()
     assert psg.clip_and_accumulate(1.0).shape == (0,)
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
@@ -379,7 +379,7 @@ def test_ghost_paths_run_on_layers_where_ghost_is_cheaper() -> None:
              cg.ConvSpec.from_shapes((3, 64, 2, 2), (32, 32, 2, 2), groups=2)]
     assert all(methods.choose_method(s, norms=True) == "ghost" for s in specs)
     ref = torch.cat([g.flatten(1) for g in _model_references(model, x)[0].values()], 1).norm(dim=1)
-    with cg.PerSampleGrads(model, norms_only=True) as psg:
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=True) as psg:
         _loss(model(x), "sum").backward()
     torch.testing.assert_close(psg.norms(), ref, **TOL[DT])
 
@@ -391,7 +391,7 @@ def test_a_module_called_twice_sums_its_calls() -> None:
     x = torch.randn(3, 2, 5, dtype=DT)
     ref = _model_references(model, x, use_vmap=False)[0]  # functional_call leaves a shared module's tensors swapped
     for norms_only in (False, True):
-        with cg.PerSampleGrads(model, norms_only=norms_only) as psg:
+        with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
             _loss(model(x), "sum").backward()
         expected = torch.cat([ref["0.weight"].flatten(1), ref["0.bias"]], 1).norm(dim=1)
         torch.testing.assert_close(psg.norms(), expected, **TOL[DT])
@@ -431,7 +431,7 @@ def test_convgrad_nn_modules_and_patched_models_are_supported(padding_mode: str)
     built.t1 = cgnn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1, groups=2).to(DT)
     for model in (built, patched):
         refs = _model_references(model, x, use_vmap=False)
-        with cg.PerSampleGrads(model):
+        with cg.PerSampleGrads(model, loss_reduction="sum"):
             _loss(model(x), "sum").backward()
         assert_matches_autograd({k: p.grad_sample for k, p in model.named_parameters()}, refs[0], DT,
                                 f"convgrad.nn {padding_mode}")
@@ -443,7 +443,7 @@ def test_bad_arguments_and_misuse_are_refused() -> None:
         cg.PerSampleGrads(model, loss_reduction="avg")
     with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         cg.PerSampleGrads(lambda x: x)  # type: ignore[arg-type]
-    psg = cg.PerSampleGrads(model)
+    psg = cg.PerSampleGrads(model, loss_reduction="sum")
     with pytest.raises(RuntimeError, match="no per-sample gradient"):
         psg.norms()
     with psg:
@@ -461,7 +461,7 @@ def test_batchnorm_that_mixes_the_samples_is_refused_at_each_forward() -> None:
     torch.manual_seed(6)
     model = WithBatchNorm().to(DT)  # training mode
     x = torch.randn(3, 2, 4, 4, dtype=DT)
-    psg = cg.PerSampleGrads(model)  # accepted: the mode is checked at the forward, it can change before
+    psg = cg.PerSampleGrads(model, loss_reduction="sum")  # accepted: the mode is checked at the forward
     with pytest.raises(ValueError, match=r"'bn' \(BatchNorm2d\) normalises with the statistics of the batch "
                                          r"\(training mode\)"), psg:
         model(x)
@@ -491,7 +491,7 @@ def test_micro_batches_accumulate_into_grad_like_one_logical_batch(norms_only: b
     expected = {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}
     model.zero_grad()  # the documented reset, once per logical batch
     for chunk in x.split([2, 1, 3]):
-        with cg.PerSampleGrads(model, norms_only=norms_only) as psg:
+        with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
             _loss(model(chunk), "sum").backward()
         psg.clip_and_accumulate(float(norms.median()))
     assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, "micro-batches")
@@ -507,7 +507,7 @@ def test_a_parameter_shared_by_two_modules_counts_once() -> None:
     x = torch.randn(4, 3, dtype=DT)
     ref = _model_references(model, x, use_vmap=False)[0]  # named_parameters lists the shared weight once
     norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
-    with cg.PerSampleGrads(model) as psg:
+    with cg.PerSampleGrads(model, loss_reduction="sum") as psg:
         _loss(model(x), "sum").backward()
     torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
     model.zero_grad()
@@ -539,7 +539,7 @@ def test_modules_called_with_a_keyword_input_keep_their_per_sample_gradients(nor
     norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
     factors = (float(norms.median()) / (norms + 1e-6)).clamp(max=1.0)
     model.zero_grad()
-    with cg.PerSampleGrads(model, norms_only=norms_only) as psg:
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
         _loss(model(x), "sum").backward()
     torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
     psg.clip_and_accumulate(float(norms.median()))
@@ -573,7 +573,8 @@ def test_a_gradient_from_outside_the_modules_forward_is_refused_not_left_out(nor
             cg.PerSampleGrads(model, norms_only=norms_only):
         (_loss(model(x, direct=False), "sum") + model.fc.weight.square().sum()).backward()
     model.zero_grad()
-    with cg.PerSampleGrads(model, norms_only=norms_only) as psg:  # the module's own forward: accepted, right
+    # the module's own forward: accepted, right
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
         _loss(model(x, direct=False), "sum").backward()
     grads = [torch.autograd.grad(_loss(model(x[i:i + 1], direct=False), "sum"), list(model.parameters()))
              for i in range(3)]
@@ -611,7 +612,7 @@ def test_a_module_called_on_part_of_the_batch_is_refused() -> None:
     for norms_only in (False, True):
         with pytest.raises(ValueError, match=r"'\(the model itself\)' \(Conv2d\) saw a batch of 4 samples "
                                              r"along dim 0, but another call of it saw 1"), \
-                cg.PerSampleGrads(conv, norms_only=norms_only):
+                cg.PerSampleGrads(conv, loss_reduction="sum", norms_only=norms_only):
             (conv(x).sum() + conv(x[:1]).sum()).backward()
 
 
@@ -740,7 +741,7 @@ def test_autocast_gives_float32_gradients_close_to_float32(tuned: None, norms_on
     results = []
     for autocast in (False, True):
         model.zero_grad()
-        with cg.PerSampleGrads(model, norms_only=norms_only) as psg, \
+        with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg, \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             model(x).float().square().sum().backward()
         norms = psg.norms()
@@ -759,13 +760,13 @@ def test_norms_only_clips_per_the_measured_plan_and_matches(tuned: None) -> None
     model = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=2),
                           nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2), nn.Flatten(), nn.Linear(16 * 3 * 3, 3)).to(DT)
     x = torch.randn(6, 2, 8, 8, dtype=DT)
-    with cg.PerSampleGrads(model) as full:
+    with cg.PerSampleGrads(model, loss_reduction="sum") as full:
         model(x).square().sum().backward()
     grads = {k: p.grad_sample.clone() for k, p in model.named_parameters()}
     norms = full.norms()
     factors = (1.0 / (norms + 1e-6)).clamp(max=1.0)
     model.zero_grad()
-    with cg.PerSampleGrads(model, norms_only=True) as psg:
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=True) as psg:
         model(x).square().sum().backward()
     torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
     psg.clip_and_accumulate(1.0)
@@ -784,7 +785,7 @@ def test_layers_of_one_shape_share_one_per_sample_tuning(tuned: None, monkeypatc
         tuning._choices.reset()
         seen.clear()
         model = nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(layers)])
-        with cg.PerSampleGrads(model, norms_only=True) as psg:
+        with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=True) as psg:
             model(torch.randn(8, 4, 6, 6)).sum().backward()
         psg.clip_and_accumulate(1.0)
         assert len(seen) == 1, layers  # one "clip" tuning, whatever the number of layers of that shape
@@ -836,7 +837,7 @@ def test_storing_per_sample_gradients_for_the_clip_is_allowed_only_within_the_me
                           nn.Conv2d(2, 64, 3, padding=1, stride=8),  # 1216 against 2·256 + 64·4 = 768 (1.6x): store
                           nn.Conv2d(64, 128, 1),  # 8320 against 64·4 + 128·4 = 768 (10.8x): no
                           nn.Flatten(), nn.Linear(128 * 2 * 2, 2)).to(DT)
-    with cg.PerSampleGrads(model, norms_only=True):
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=True):
         model(torch.randn(3, 2, 16, 16, dtype=DT)).sum().backward()
     assert asked == [(64, False), (2, True), (2, True)], asked  # the backward reaches the last conv first
 
@@ -891,7 +892,8 @@ def test_the_scratch_buffers_are_released_when_the_backward_ends(norms_only: boo
         left.append(len(methods._SCRATCH))  # buffers left by the layers before
         return layer_backward(*args)
 
-    with pytest.MonkeyPatch.context() as mp, cg.PerSampleGrads(model, norms_only=norms_only) as psg:
+    with pytest.MonkeyPatch.context() as mp, \
+            cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
         mp.setattr(methods, "scratch", spy)
         mp.setattr(cg.PerSampleGrads, "_layer_backward", entry)
         mp.setattr(rules.tuning, "method_for", lambda *args: "unfold")  # a method that takes the scratch
@@ -918,7 +920,7 @@ def test_a_layers_input_changed_in_place_after_its_forward_is_refused_not_used()
     the per-sample gradient silently came from the changed input)."""
     lin = nn.Linear(3, 4).to(DT)
     x = torch.randn(5, 3, dtype=DT)
-    with cg.PerSampleGrads(lin):
+    with cg.PerSampleGrads(lin, loss_reduction="sum"):
         y = lin(x)
         x.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -928,7 +930,7 @@ def test_a_layers_input_changed_in_place_after_its_forward_is_refused_not_used()
 def test_a_second_backward_through_a_retained_graph_adds_its_per_sample_gradients() -> None:
     lin = nn.Linear(3, 4).to(DT)
     x = torch.randn(5, 3, dtype=DT)
-    with cg.PerSampleGrads(lin):
+    with cg.PerSampleGrads(lin, loss_reduction="sum"):
         loss = lin(x).square().sum()
         loss.backward(retain_graph=True)
         first = lin.weight.grad_sample.clone()
@@ -940,7 +942,7 @@ def test_the_scratch_is_released_again_after_a_backward_that_raised() -> None:
     """A layer whose part of the backward raises still releases the buffers it took."""
     conv = nn.Conv2d(2, 2, 3, padding=1).to(DT)
     x = torch.randn(4, 2, 5, 5, dtype=DT)
-    psg = cg.PerSampleGrads(conv)
+    psg = cg.PerSampleGrads(conv, loss_reduction="sum")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rules.tuning, "method_for", lambda *args: "unfold")  # a method that takes the scratch
         with pytest.raises(ValueError, match="saw a batch"), psg:
@@ -948,3 +950,85 @@ def test_the_scratch_is_released_again_after_a_backward_that_raised() -> None:
         with psg:
             conv(x).sum().backward()
     assert not methods._SCRATCH
+
+
+def test_the_default_loss_reduction_gives_each_samples_own_gradient_under_a_mean_loss() -> None:
+    """Regression: PerSampleGrads defaulted to loss_reduction="sum" while F.cross_entropy (and Opacus) default to
+    the mean, so a default loss inside a default context gave per-sample gradients divided by N."""
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 4)).to(DT)
+    x, y = torch.randn(6, 2, 6, 6, dtype=DT), torch.randint(0, 4, (6,))
+    ref = {k: torch.stack([torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), p)[0]
+                           for i in range(6)]) for k, p in model.named_parameters()}
+    for norms_only in (False, True):
+        with cg.PerSampleGrads(model, norms_only=norms_only) as psg:
+            F.cross_entropy(model(x), y).backward()
+        if not norms_only:
+            assert_matches_autograd({k: p.grad_sample for k, p in model.named_parameters()}, ref, DT, "default")
+        norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+        torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+@pytest.mark.parametrize("order", ["forward-backward twice", "two forwards, then two backwards"])
+def test_a_second_micro_batch_in_one_context_is_refused_not_merged(norms_only: bool, order: str) -> None:
+    """Regression: two backwards of 4 samples each gave .grad_sample of 4 rows, row i the sum of sample i of both
+    batches, and 4 norms for 8 samples; batches of unequal size were refused already."""
+    torch.manual_seed(14)
+    model = Mixed("circular").to(DT)
+    x = torch.randn(8, 2, 7, 6, dtype=DT)
+    with pytest.raises(ValueError, match=r"module '\w+' \(\w+\) received a second backward through a forward "
+                                         r"that the first backward did not reach"), \
+            cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only):
+        if order == "forward-backward twice":
+            _loss(model(x[:4]), "sum").backward()
+            _loss(model(x[4:]), "sum").backward()
+        else:
+            first, second = _loss(model(x[:4]), "sum"), _loss(model(x[4:]), "sum")
+            first.backward()
+            second.backward()
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_clear_starts_the_next_micro_batch_in_the_same_context(norms_only: bool) -> None:
+    """The issue's comparison: the clipped sum over two micro-batches of 4 equals clipping the 8 samples of a loop."""
+    torch.manual_seed(14)
+    model = Mixed("circular").to(DT)
+    x = torch.randn(8, 2, 7, 6, dtype=DT)
+    ref = _model_references(model, x, use_vmap=False)[0]
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    factors = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    model.zero_grad()
+    seen = []
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
+        for part in (x[:4], x[4:]):
+            _loss(model(part), "sum").backward()
+            seen.append(psg.clip_and_accumulate(0.5))
+            psg.clear()
+    torch.testing.assert_close(torch.cat(seen), norms, **TOL[DT])
+    expected = {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}
+    assert_matches_autograd({k: p.grad for k, p in model.named_parameters()}, expected, DT, "cleared micro-batches")
+
+
+@pytest.mark.parametrize("segment", [(2, 4), (2, 7)], ids=["middle", "last layers"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_is_one_backward_and_matches_the_loop(reentrant: bool, segment: tuple[int, int]
+                                                                     ) -> None:
+    """A reentrant checkpoint back-propagates its recomputed forward in a nested backward, after the layers behind
+    it or before any other: that is still the first batch, not a second one."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(15)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Conv2d(3, 3, 3), nn.Tanh(), nn.Conv2d(3, 2, 1),
+                          nn.Flatten(), nn.Linear(2 * 2 * 2, 2)).to(DT)
+    x = torch.randn(4, 2, 6, 6, dtype=DT)
+    ref = _model_references(model, x, use_vmap=False)[0]
+    a, b = segment
+    for norms_only in (False, True):
+        with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
+            h = checkpoint(model[a:b], model[:a](x), use_reentrant=reentrant)
+            _loss(model[b:](h), "sum").backward()
+        torch.testing.assert_close(psg.norms(), torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1),
+                                   **TOL[DT])
+        if not norms_only:
+            assert_matches_autograd({k: p.grad_sample for k, p in model.named_parameters()}, ref, DT, "checkpoint")

@@ -81,9 +81,12 @@ class PerSampleGrads:
 
     Inside the ``with`` block, run the forward pass and ``loss.backward()``. Afterwards
     every trainable parameter of every supported module has ``.grad_sample`` of shape
-    ``(N, *param.shape)``, as Opacus defines it: with ``loss_reduction="mean"`` (the loss
-    is a mean over the batch) the gradient of each sample's own loss, i.e. N times its
-    share of ``.grad``. A module called several times sums its calls, like ``.grad``.
+    ``(N, *param.shape)``, as Opacus defines it: the gradient of each sample's own loss. The
+    default ``loss_reduction="mean"`` fits a loss that is a mean over the batch, as PyTorch's
+    losses and Opacus default to (``F.cross_entropy(model(x), y)``): each per-sample gradient is
+    then N times its share of ``.grad``. For a summed loss (``reduction="sum"``) pass
+    ``loss_reduction="sum"``; a mismatch scales every per-sample gradient and norm by N or 1/N.
+    A module called several times in one forward sums its calls, like ``.grad``.
 
     The backward also adds to the ordinary ``.grad`` the sum of the per-sample gradients
     (divided by N for "mean") instead of a separate batch-summed weight gradient: during the
@@ -100,7 +103,10 @@ class PerSampleGrads:
 
     Micro-batches: ``clip_and_accumulate`` adds the clipped sum to ``.grad`` as it was before the context's
     backward, so one context and one call per micro-batch accumulate a logical batch, as Opacus's virtual steps
-    do. Reset ``.grad`` (``optimizer.zero_grad()``) before each logical batch.
+    do. Reset ``.grad`` (``optimizer.zero_grad()``) before each logical batch. One context holds one batch: a
+    backward through a forward that its first backward did not reach (the next micro-batch) is refused, since
+    its samples would land on the rows of the first batch's; a second backward through a retained graph, the
+    same samples again, adds to them, like ``.grad``. Call ``clear()`` to start another batch in the same context.
 
     DistributedDataParallel: pass the DDP module itself, ``PerSampleGrads(ddp_model)``, and run the forward inside
     the context. The context runs it under ``ddp_model.no_sync()``, so that DDP never all-reduces an unclipped
@@ -119,7 +125,8 @@ class PerSampleGrads:
             parameters are all supported: Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn; any
             padding string, padding_mode, groups, dilation, output_size), Linear, GroupNorm, LayerNorm and
             BatchNorm1d/2d/3d (eval mode). Inputs are batch-first, batch 0 included.
-        loss_reduction: ``"sum"`` (default) or ``"mean"``, how the loss combines the samples.
+        loss_reduction: ``"mean"`` (default, as PyTorch's losses and Opacus) or ``"sum"``, how the loss combines
+            the samples' losses.
         norms_only: compute norms (and clipped sums) only (default False).
 
     Raises:
@@ -132,7 +139,8 @@ class PerSampleGrads:
             batch's statistics; the forward runs inside a DistributedDataParallel that synchronises gradients
             (the model given was its inner module). During the backward: a gradient that reaches a parameter
             from outside its module's forward (``F.conv2d(x, conv.weight)``, a weight penalty in the loss); a
-            module called on another number of samples than the first one (part of the batch).
+            module called on another number of samples than the first one (part of the batch); a backward of
+            another batch (see Micro-batches).
 
     Source: docs/per_sample.md; Opacus's GradSampleModule (grad_sample's definition) and DistributedDPOptimizer
     (clipping before the all-reduce); Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
@@ -142,8 +150,8 @@ class PerSampleGrads:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding="same", padding_mode="circular"),
         ...                             torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
         >>> x = torch.randn(5, 1, 6, 6)
-        >>> with cg.PerSampleGrads(model) as psg:
-        ...     model(x).square().sum().backward()
+        >>> with cg.PerSampleGrads(model) as psg:  # loss_reduction="mean", as the loss below
+        ...     model(x).square().sum(1).mean().backward()
         >>> model[0].weight.grad_sample.shape
         torch.Size([5, 4, 1, 3, 3])
         >>> psg.norms().shape
@@ -153,7 +161,7 @@ class PerSampleGrads:
         True
     """
 
-    def __init__(self, model: nn.Module, loss_reduction: str = "sum", norms_only: bool = False) -> None:
+    def __init__(self, model: nn.Module, loss_reduction: str = "mean", norms_only: bool = False) -> None:
         fn = "PerSampleGrads"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -192,6 +200,9 @@ class PerSampleGrads:
         self._before: dict[int, torch.Tensor | None] = {}  # id(param) -> .grad before this context's backward
         self._no_sync = contextlib.ExitStack()
         self._batch: tuple[int, nn.Module] | None = None  # the first module's batch size, and that module
+        self._calls = 0  # forward calls of supported modules so far, numbering each call's _Tap
+        self._seen: set[int] = set()  # the calls whose backward has run since clear()
+        self._tasks: dict[int, bool] = {}  # autograd graph task id -> still running, for the backwards accepted
 
     def _check_tied(self, fn: str) -> None:
         """norms_only keeps one squared norm per module, which cannot add up a parameter shared by two."""
@@ -231,6 +242,7 @@ class PerSampleGrads:
     def clear(self) -> None:
         """Forget every per-sample result: ``.grad_sample = None`` and no norms (called on entering)."""
         self._records, self._before, self._batch = {}, {}, None
+        self._seen, self._tasks = set(), {}
         for p in self._params():
             p.grad_sample = None  # type: ignore[attr-defined]
 
@@ -267,7 +279,8 @@ class PerSampleGrads:
             raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) was called "
                              f"without a tensor input (args {len(args)}, keywords {sorted(kwargs)}) or returned "
                              f"{type(output).__name__}; its per-sample gradients need module(input) -> Tensor")
-        callback = functools.partial(self._backward, module, list(params))
+        self._calls += 1
+        callback = functools.partial(self._backward, module, list(params), self._calls)
         return _Tap.apply(callback, x.detach(), output, *params.values())
 
     def _direct_use(self, param: nn.Parameter, grad: torch.Tensor | None) -> None:
@@ -289,9 +302,10 @@ class PerSampleGrads:
             if id(p) not in self._before:
                 self._before[id(p)] = None if p.grad is None else p.grad.clone() if adds else p.grad
 
-    def _backward(self, module: nn.Module, names: list[str], x: torch.Tensor,
+    def _backward(self, module: nn.Module, names: list[str], call: int, x: torch.Tensor,
                   grad_output: torch.Tensor) -> list[torch.Tensor | None]:
         """One layer's part of the backward (see ``_Tap``), as ``methods.one_layer``: its scratch buffers go after."""
+        self._check_one_batch(module, call)
         with one_layer():
             return self._layer_backward(module, names, x, grad_output)
 
@@ -328,6 +342,31 @@ class PerSampleGrads:
                 rec.sq = layer.ghost_sq_norms() if how == "ghost" else layer.materialised_sq_norms()
                 rec.layer = layer
         return [None] * len(names)
+
+    def _check_one_batch(self, module: nn.Module, call: int) -> None:
+        """Refuse a backward that would merge a second batch into this context's per-sample results.
+
+        The rows of .grad_sample and of the norms are samples; two calls add into the same rows only when they
+        are the same samples: calls back-propagated in one backward (a module called twice in a forward, two
+        forwards in one loss), or a call seen again (a second backward through a retained graph). A later
+        backward through calls not seen yet is another batch. Autograd numbers its graph tasks in order, so a
+        task is part of an accepted backward if it is one, runs inside one that is still running (a reentrant
+        checkpoint's recomputation), or started before one (the backward that a checkpoint's task ran inside)."""
+        task = torch._C._current_graph_task_id()  # the running backward, as torch.utils.checkpoint reads it
+        if task in self._tasks:
+            pass
+        elif not self._tasks or call in self._seen or any(self._tasks.values()) or task < max(self._tasks):
+            self._tasks[task] = True
+            torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
+                functools.partial(self._tasks.__setitem__, task, False))  # when this backward ends
+        else:
+            raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) received "
+                             f"a second backward through a forward that the first backward did not reach: this "
+                             f"context already holds per-sample results of one batch, and another batch's samples "
+                             f"would be merged into them row by row. Use one context per micro-batch "
+                             f"(clip_and_accumulate adds their clipped sums to .grad), or call "
+                             f"clip_and_accumulate and then clear() before the next micro-batch's backward")
+        self._seen.add(call)
 
     def _check_batch(self, module: nn.Module, n: int) -> None:
         """Every supported module must see the same samples along dim 0: per-sample results of different batch
