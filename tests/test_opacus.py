@@ -199,6 +199,34 @@ def test_grad_and_norm_samplers_match_a_loop_per_parameter(name: str, make, shap
         torch.testing.assert_close(norms[p], ref[p].flatten(1).norm(dim=1), **TOL[DT])
 
 
+@pytest.mark.parametrize("ghost", [True, False])
+def test_float16_norm_sampler_is_finite_where_the_norm_fits(ghost: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: in float16 a weight norm of about 360 squared to inf in the norm sampler (the ghost norm's Gram
+    matrices of an input at 10x scale too), so Opacus clipped that sample to zero. The norms come back in float16,
+    finite and close. (A bias that carries the norm: test_per_sample's bias test, through the same rule.)"""
+    import copy
+
+    from convgrad.per_sample import rules
+
+    monkeypatch.setattr(rules.ConvLayer, "ghost_cheaper", property(lambda self: ghost))
+    conv = nn.Conv2d(8, 16, 3, padding=1).half()
+    wide = copy.deepcopy(conv).double()  # the same weights, float64
+
+    def loop(gy: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        return cgo.grad_sampler(wide, [x.half().double()], gy.half().double())
+
+    g = torch.Generator().manual_seed(18)
+    x, gy = torch.randn(4, 8, 8, 8, generator=g) * 10, torch.randn(4, 16, 8, 8, generator=g)
+    gy *= 360.0 / float(loop(gy)[wide.weight].flatten(1).norm(dim=1).median())
+    wide_grads = loop(gy)
+    ref = {p: wide_grads[getattr(wide, k)] for k, p in conv.named_parameters()}
+    norms = cgo.norm_sampler(conv, [x.half()], gy.half())
+    for p, r in ref.items():
+        expected = r.flatten(1).norm(dim=1)
+        assert norms[p].dtype == torch.float16 and torch.isfinite(norms[p]).all(), norms[p]
+        assert ((norms[p].double() - expected).abs() <= 1e-2 * expected).all(), (norms[p], expected)
+
+
 def test_the_samplers_leave_no_scratch_buffer_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each sampler call is one layer (``methods.one_layer``): the im2col columns it reused go when it returns."""
     from convgrad.per_sample import methods, rules

@@ -1032,3 +1032,85 @@ def test_gradient_checkpointing_is_one_backward_and_matches_the_loop(reentrant: 
                                    **TOL[DT])
         if not norms_only:
             assert_matches_autograd({k: p.grad_sample for k, p in model.named_parameters()}, ref, DT, "checkpoint")
+
+
+# ---- half precision ---------------------------------------------------------------------------------------------
+HALF_TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2}  # relative, of a norm or of a whole gradient
+
+
+def _half_model() -> nn.Module:
+    """Convs (one with a bias, one without), a GroupNorm and a Linear whose ghost norm is cheaper (P = 1)."""
+    torch.manual_seed(16)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Tanh(),
+                         nn.Conv2d(8, 16, 3, stride=2, bias=False), nn.Flatten(), nn.Linear(16 * 3 * 3, 4))
+
+
+@pytest.mark.parametrize("input_scale", [1.0, 10.0])
+@pytest.mark.parametrize("method", ["ghost", "unfold", "conv", "native"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_norms_accumulate_wide_and_never_overflow(dtype: torch.dtype, method: str, input_scale: float,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: float16 per-sample norms of about 360 (which float16 holds; their squares do not) came out inf
+    with every method, so clip_and_accumulate added zeros; at 10x the input the ghost norm was NaN."""
+    monkeypatch.setattr(rules.tuning, "method_for", lambda spec, x, y, purpose, store=False: (
+        "unfold" if method == "ghost" and purpose == "grads" else method))
+    ref_model = _half_model().to(DT)
+    model = _half_model().to(dtype)
+    x = (torch.randn(6, 3, 8, 8) * input_scale).to(dtype)
+    direction = torch.linspace(-1, 1, 4, dtype=DT)
+    per = [torch.autograd.grad((ref_model(x[i:i + 1].to(DT)) @ direction).sum(), list(ref_model.parameters()))
+           for i in range(6)]
+    unit = torch.stack([torch.cat([g.flatten() for g in gs]).norm() for gs in per])
+    c = 360.0 / float(unit[unit.argsort()[3]])  # a linear loss: norms scale with c; the median sample's is 360
+    ref = {k: c * torch.stack([gs[j] for gs in per]) for j, (k, _) in enumerate(ref_model.named_parameters())}
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    assert 300 < float(norms.median()) < 400 * input_scale and float(norms.max()) < 65504
+    factors = (200.0 / (norms + 1e-6)).clamp(max=1.0)  # clips every sample
+    expected = {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}
+    tol = HALF_TOL[dtype]
+    for norms_only in (False, True):
+        model.zero_grad()
+        with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
+            (c * (model(x) @ direction.to(dtype))).sum().backward()
+        got = psg.clip_and_accumulate(200.0)
+        assert torch.isfinite(got).all() and ((got.double() - norms).abs() <= tol * norms).all(), (got, norms)
+        for k, p in model.named_parameters():
+            assert (p.grad.double() - expected[k]).norm() <= tol * expected[k].norm(), (norms_only, k)
+
+
+@pytest.mark.parametrize("input_scale", [1.0, 10.0])
+@pytest.mark.parametrize("method", ["ghost", "unfold", "conv", "native"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_layer_norms_are_finite_and_close(dtype: torch.dtype, method: str, input_scale: float) -> None:
+    """per_sample_grad_norms in half precision: norms of about 360 (and 10x the input) are finite and close to
+    float64's, and come back in the input's dtype."""
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(4, 8, 8, 8, generator=g, dtype=DT) * input_scale
+    gy = torch.randn(4, 16, 8, 8, generator=g, dtype=DT)
+    gy *= 360.0 / float(cg.per_sample_grad_norms(x, (16, 8, 3, 3), gy, padding=1, method="unfold").median())
+    x, gy = x.to(dtype), gy.to(dtype)  # the values the low-precision call sees, and the reference too
+    ref = cg.per_sample_grad_norms(x.double(), (16, 8, 3, 3), gy.double(), padding=1, method="unfold")
+    got = cg.per_sample_grad_norms(x, (16, 8, 3, 3), gy, padding=1, method=method)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert ((got.double() - ref).abs() <= HALF_TOL[dtype] * ref).all(), (got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_bias_norms_accumulate_wide(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conv whose bias gradient carries the norm (768, whose square float16 cannot hold): the bias's squares
+    accumulate in float32 too, in per_sample_grad_norms and in PerSampleGrads."""
+    x = torch.full((3, 2, 8, 8), 0.01, dtype=dtype)
+    gy = torch.full((3, 16, 8, 8), 3.0, dtype=dtype)  # each bias entry 192; 16 of them: a norm of 768
+    ref = cg.per_sample_grad_norms(x.double(), (16, 2, 1, 1), gy.double())
+    assert 700 < float(ref[0]) < 800
+    for method in ("ghost", "unfold"):
+        got = cg.per_sample_grad_norms(x, (16, 2, 1, 1), gy, method=method)
+        assert ((got.double() - ref).abs() <= HALF_TOL[dtype] * ref).all(), (method, got)
+    conv = nn.Conv2d(2, 16, 1).to(dtype)
+    for method, norms_only in (("unfold", False), ("unfold", True), ("ghost", True)):
+        monkeypatch.setattr(rules.tuning, "method_for", lambda spec, x, y, purpose, store=False, m=method: (
+            "unfold" if purpose == "grads" else m))
+        with cg.PerSampleGrads(conv, loss_reduction="sum", norms_only=norms_only) as psg:
+            (conv(x) * 3.0).sum().backward()
+        got = psg.norms()
+        assert torch.isfinite(got).all() and ((got.double() - ref).abs() <= HALF_TOL[dtype] * ref).all(), got

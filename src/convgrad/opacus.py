@@ -98,8 +98,9 @@ def norm_sampler(module: nn.Module, activations: list[torch.Tensor],
         True
     """
     with one_layer():
-        sq = _rule(module, activations, backprops).param_sq_norms()
-    return {getattr(module, k): s.clamp(min=0).sqrt() for k, s in sq.items()}  # rounding can go below 0
+        sq = _rule(module, activations, backprops).param_sq_norms()  # float32 for half precision: squares overflow
+    # rounding can take a ghost norm below 0; the norm itself fits backprops' dtype wherever the true one does
+    return {getattr(module, k): s.clamp(min=0).sqrt().to(backprops.dtype) for k, s in sq.items()}
 
 
 def _registries() -> dict[str, dict[type, Any]]:

@@ -174,7 +174,8 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
         method: ``"auto"`` (default), ``"ghost"``, ``"unfold"``, ``"conv"`` or ``"native"``.
 
     Returns:
-        ``(N,)``, the dtype of input.
+        ``(N,)``, the dtype of input; half precision accumulates the squares in float32, so a norm is finite
+        wherever it fits the dtype.
 
     Raises:
         TypeError, ValueError: as [`per_sample_weight_grad`][convgrad.per_sample.functional.per_sample_weight_grad]
@@ -205,5 +206,5 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
         else:
             sq = methods.materialised_sq_norms(spec, x, y, method)
     if bias:
-        sq = sq + per_sample_bias_grad(grad_output).square().sum(1)
-    return sq.sqrt()
+        sq = sq + methods.sq_norms(per_sample_bias_grad(grad_output))
+    return sq.sqrt().to(input.dtype)

@@ -53,6 +53,7 @@ __all__ = [
     "im2col",
     "layer_chunks",
     "materialised_sq_norms",
+    "norm_dtype",
     "one_layer",
     "release_scratch",
     "sample_chunks",
@@ -281,9 +282,16 @@ def weight_grad(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, method: str) -
     return _conv(spec, x, y) if method == "conv" else _unfold(spec, x, y)
 
 
+def norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype squared norms accumulate in: float32 for float16 and bfloat16, whose squares overflow (float16
+    holds 65504: a norm of 360 fits, its square does not) or round coarsely; float32 and float64 themselves."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def materialised_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, method: str) -> torch.Tensor:
-    """Squared per-sample weight-gradient norms (N,), materialising one chunk of the batch at a time."""
-    out = x.new_zeros(spec.batch)
+    """Squared per-sample weight-gradient norms (N,) in ``norm_dtype``, materialising a chunk of the batch at a
+    time."""
+    out = x.new_zeros(spec.batch, dtype=norm_dtype(x.dtype))
     per_sample = spec.y_channels * spec.x_channels // spec.groups * spec.taps
     if method == "unfold":
         per_sample += spec.x_channels * spec.taps * spec.positions
@@ -299,20 +307,23 @@ def materialised_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, meth
 
 
 def sq_norms(g: torch.Tensor) -> torch.Tensor:
-    """(N,) squared norms of (N, ...) per-sample values: one reduction, without a squared copy of g (which
-    ``g.square().sum()`` makes: aten::pow took 7% of a clipped step of the small CNN)."""
-    return torch.linalg.vector_norm(g.flatten(1), dim=1).square()
+    """(N,) squared norms of (N, ...) per-sample values, in ``norm_dtype``: one reduction, without a squared copy
+    of g (which ``g.square().sum()`` makes: aten::pow took 7% of a clipped step of the small CNN). The norm
+    reduction accumulates half precision in float32 already; only its square would overflow."""
+    return torch.linalg.vector_norm(g.flatten(1), dim=1).to(norm_dtype(g.dtype)).square()
 
 
 def ghost_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Squared per-sample weight-gradient norms (N,) from per-group Gram matrices, never forming gw."""
-    out = x.new_zeros(spec.batch)
+    """Squared per-sample weight-gradient norms (N,) in ``norm_dtype``, from per-group Gram matrices, never forming
+    gw. Half precision is widened per chunk first: its Gram entries, sums of squares, overflow float16."""
+    acc = norm_dtype(x.dtype)
+    out = x.new_zeros(spec.batch, dtype=acc)
     g, p = spec.groups, spec.positions
     reuse = plain(x) and not torch.is_grad_enabled()
     for c in layer_chunks(spec, spec.x_channels * spec.taps * p + 2 * g * p * p):
-        u = im2col(spec, x[c], reuse)  # (n', g, C_x/g·T, P)
+        u = im2col(spec, x[c], reuse).to(acc)  # (n', g, C_x/g·T, P)
         gram_x = u.transpose(-1, -2) @ u  # (n', g, P, P)
-        yr = _y_rows(spec, y[c])  # (n', g, C_y/g, P)
+        yr = _y_rows(spec, y[c]).to(acc)  # (n', g, C_y/g, P)
         gram_y = yr.transpose(-1, -2) @ yr  # (n', g, P, P)
         out[c] = torch.linalg.vecdot(gram_x.flatten(1), gram_y.flatten(1))
     return out

@@ -402,7 +402,8 @@ class PerSampleGrads:
 
         Returns:
             ``(N,)``, the norm of each sample's whole gradient (every layer, weight and bias); under
-            DistributedDataParallel, of this rank's N samples.
+            DistributedDataParallel, of this rank's N samples. float32 for float16 and bfloat16 parameters: the
+            squares accumulate in float32 (in float16 a norm of 360 would square to inf).
 
         Raises:
             RuntimeError: no per-sample gradient was recorded (no backward ran inside the context).

@@ -101,7 +101,8 @@ class Layer:
         return {k: g.sum(0).div_(self.scale) for k, g in grads.items()}
 
     def _scaled_gy(self, factors: torch.Tensor) -> torch.Tensor:
-        return self.gy * (factors * self.scale).view(-1, *(1,) * (self.gy.dim() - 1))  # (N, ...)
+        f = (factors * self.scale).to(self.gy.dtype)  # factors come in norm_dtype (float32 for half precision)
+        return self.gy * f.view(-1, *(1,) * (self.gy.dim() - 1))  # (N, ...)
 
 
 RULES: dict[type[nn.Module], type[Layer]] = {}
@@ -202,12 +203,13 @@ class ConvLayer(Layer):
                 sq = methods.materialised_sq_norms(self.spec, *self.sides, self._method())
             out["weight"] = sq * self.scale**2
         if self.has_bias:
-            out["bias"] = self._bias()["bias"].square().sum(1)
+            out["bias"] = methods.sq_norms(self._bias()["bias"])
         return out
 
     def _sq(self, ghost: bool) -> torch.Tensor:
         parts = list(self.param_sq_norms(ghost).values())
-        return sum(parts[1:], parts[0]) if parts else self.x.new_zeros(self.spec.batch)
+        return sum(parts[1:], parts[0]) if parts else self.x.new_zeros(self.spec.batch,
+                                                                        dtype=methods.norm_dtype(self.x.dtype))
 
     def ghost_sq_norms(self) -> torch.Tensor:
         return self._sq(ghost=True)
@@ -261,13 +263,15 @@ class LinearLayer(Layer):
         return out
 
     def ghost_sq_norms(self) -> torch.Tensor:
-        if self.x3.shape[1] == 1:  # |gy xᵀ|² = |gy|²|x|²
-            sq = self.x3.square().sum((1, 2)) * self.gy3.square().sum((1, 2))
+        acc = methods.norm_dtype(self.x3.dtype)  # half precision: Gram entries and squares overflow float16
+        x3, gy3 = self.x3.to(acc), self.gy3.to(acc)  # (N, P, in), (N, P, out)
+        if x3.shape[1] == 1:  # |gy xᵀ|² = |gy|²|x|²
+            sq = x3.square().sum((1, 2)) * gy3.square().sum((1, 2))
         else:
-            sq = torch.linalg.vecdot((self.x3 @ self.x3.transpose(1, 2)).flatten(1),
-                                     (self.gy3 @ self.gy3.transpose(1, 2)).flatten(1))  # <(N,P,P), (N,P,P)>
+            sq = torch.linalg.vecdot((x3 @ x3.transpose(1, 2)).flatten(1),
+                                     (gy3 @ gy3.transpose(1, 2)).flatten(1))  # <(N,P,P), (N,P,P)>
         sq = sq * self.scale**2 if self.has_weight else torch.zeros_like(sq)
-        return sq + (self.gy3.sum(1) * self.scale).square().sum(1) if self.has_bias else sq
+        return sq + (gy3.sum(1) * self.scale).square().sum(1) if self.has_bias else sq
 
     def clipped(self, factors: torch.Tensor) -> Grads:
         gy = self._scaled_gy(factors).reshape(-1, self.gy.shape[-1])  # (N·P, out)
@@ -310,7 +314,7 @@ class _NormLayer(Layer):
         return out
 
     def clipped(self, factors: torch.Tensor) -> Grads:
-        return {k: (g * factors.view(-1, *(1,) * (g.dim() - 1))).sum(0) for k, g in self.grads().items()}
+        return {k: (g * factors.to(g.dtype).view(-1, *(1,) * (g.dim() - 1))).sum(0) for k, g in self.grads().items()}
 
 
 @register(nn.GroupNorm)
