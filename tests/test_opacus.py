@@ -163,6 +163,52 @@ def test_opacus_alone_is_wrong_on_circular_padding_and_falls_back_on_conv_transp
     gsm._close()
 
 
+class Reused(nn.Module):
+    """A conv called twice in the forward (its parameters tied to themselves), and one called once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twice = nn.Conv2d(3, 3, 3, padding=1)
+        self.once = nn.Conv2d(3, 2, 3, stride=2)
+        self.fc = nn.Linear(2 * 2 * 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N, 3, 5, 5)
+        h = torch.tanh(self.twice(torch.tanh(self.twice(x))))
+        return self.fc(torch.tanh(self.once(h)).flatten(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ghost_clipping_of_a_conv_called_twice_is_exact(batch: int, reduction: str, dtype: torch.dtype,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: with register(), Opacus's ghost mode raised "Parameter tying is not supported with Ghost
+    Clipping" on a conv called twice (convs had a norm sampler now); plain Opacus clips it exactly."""
+    torch.manual_seed(19)
+    model = Reused().to(dtype)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(batch)
+    x, y = torch.randn(batch, 3, 5, 5, dtype=dtype, generator=gen), torch.randint(0, 3, (batch,), generator=gen)
+    grads = _per_sample_loop(model, x, y)
+    max_norm = 0.5 * float(torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1).min())  # clips all
+    expected = {k: g / (batch if reduction == "mean" else 1) for k, g in _clipped_sum(grads, max_norm).items()}
+    plain = _private_step(model, x, y, "ghost", max_norm, reduction)
+    assert plain.pop("functorch") == []
+    assert_matches_autograd(plain, expected, dtype, f"plain Opacus, ghost {reduction}")
+    added = []
+    monkeypatch.setattr(cgo, "_add_call", lambda p, g, real=cgo._add_call: added.append(p) or real(p, g))
+    for mode in ("ghost", "hooks"):
+        model.load_state_dict(state)
+        cgo.register()
+        added.clear()
+        got = _private_step(model, x, y, mode, max_norm, reduction)
+        assert got.pop("functorch") == []
+        assert_matches_autograd(got, expected, dtype, f"Opacus {mode} {reduction} + convgrad")
+        if mode == "ghost":  # the reused conv's two calls add up; the conv called once keeps the ghost norm
+            assert added == [model.twice.bias, model.twice.weight] * 2, added
+        assert not any(hasattr(p, cgo._CALLS_SUM) for p in model.parameters())  # nothing left for the next step
+
+
 CONVS = [
     ("conv1d-dilation-stride", lambda: nn.Conv1d(3, 4, 3, stride=2, dilation=2, padding=1), (4, 3, 11)),
     ("conv2d-reflect-same-even", lambda: nn.Conv2d(2, 3, (2, 4), padding="same", padding_mode="reflect"),
@@ -247,8 +293,10 @@ def test_the_samplers_leave_no_scratch_buffer_behind(monkeypatch: pytest.MonkeyP
 def test_register_and_unregister_restore_what_was_there() -> None:
     grad, norm = GradSampleHooks.GRAD_SAMPLERS, GradSampleHooksFastGradientClipping.NORM_SAMPLERS
     before = (dict(grad), dict(norm))
+    hook = GradSampleHooksFastGradientClipping.capture_activations_hook
     cgo.register()
     cgo.register()  # twice: the entries saved the first time stay the originals
+    assert GradSampleHooksFastGradientClipping.capture_activations_hook is cgo._ghost_forward_hook
     for t in (nn.Conv1d, nn.Conv3d, nn.ConvTranspose2d, cg.nn.Conv2d, cg.nn.ConvTranspose3d):
         assert grad[t] is cgo.grad_sampler and norm[t] is cgo.norm_sampler
     assert grad[nn.Linear] is before[0][nn.Linear]  # other layers keep Opacus's rules
@@ -262,6 +310,8 @@ def test_register_and_unregister_restore_what_was_there() -> None:
     del grad[nn.Conv1d]
     grad[nn.Conv1d] = before[0][nn.Conv1d]
     assert (dict(grad), dict(norm)) == before
+    assert GradSampleHooksFastGradientClipping.capture_activations_hook is hook
+    assert hook.__module__.startswith("opacus."), hook  # Opacus's own, not one a test before left registered
     assert nn.ConvTranspose2d not in grad and nn.Conv2d not in norm  # they had no entry: ours is gone, not kept
     cgo.unregister()  # without register(): nothing changes
     assert (dict(grad), dict(norm)) == before

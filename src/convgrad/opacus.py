@@ -18,6 +18,15 @@ the rules of ``PerSampleGrads`` (``convgrad.per_sample.rules``): any padding str
 groups, dilation, transposed convolutions with output_padding or ``output_size=``. The norm
 sampler takes each weight's norm by the ghost formula where that costs fewer operations, and
 chunk by chunk from materialised gradients where it does not; the norms are exact either way.
+
+A convolution called several times in one forward (its parameters tied to themselves): Opacus's
+ghost-clipping forward hook refuses any module whose type has a norm sampler on its second call
+("Parameter tying is not supported with Ghost Clipping"), because a norm sampler is called once per
+call and the last call's norm would stand for the whole. Without a norm sampler, Opacus adds up
+the calls' per-sample gradients and takes the norm of the sum, exactly. ``register()`` therefore
+also wraps that hook: for our convolutions it skips the refusal, and ``norm_sampler`` then adds up
+the calls itself, materialising their per-sample gradients, while Opacus's per-parameter
+``_forward_counter`` says that more calls are to come; a conv called once keeps the ghost norm.
 """
 
 from __future__ import annotations
@@ -27,13 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from convgrad.per_sample.methods import one_layer
+from convgrad.per_sample.methods import one_layer, sq_norms
 from convgrad.per_sample.rules import ConvLayer
 
 __all__ = ["grad_sampler", "norm_sampler", "register", "unregister"]
 
 _ABSENT = object()  # the registry had no entry for the type
 _saved: dict[str, dict[type, Any]] = {}  # registry name -> type -> entry before register()
+_hook: dict[str, Any] = {}  # "original": Opacus's ghost-clipping forward hook, which ours wraps
+_CALLS_SUM = "_convgrad_calls_sum"  # on a parameter: its per-sample gradients summed over the calls seen so far
 
 
 def _module_types() -> list[type]:
@@ -97,19 +108,60 @@ def norm_sampler(module: nn.Module, activations: list[torch.Tensor],
         >>> all(torch.allclose(norms[p], g.flatten(1).norm(dim=1), rtol=1e-4) for p, g in grads.items())
         True
     """
+    layer = _rule(module, activations, backprops)
     with one_layer():
-        sq = _rule(module, activations, backprops).param_sq_norms()  # float32 for half precision: squares overflow
+        if any(_more_calls(p) or hasattr(p, _CALLS_SUM) for p in layer.params().values()):
+            sq = {k: sq_norms(_add_call(getattr(module, k), g)) for k, g in layer.grads().items()}
+        else:
+            sq = layer.param_sq_norms()  # float32 for half precision: squares overflow
     # rounding can take a ghost norm below 0; the norm itself fits backprops' dtype wherever the true one does
     return {getattr(module, k): s.clamp(min=0).sqrt().to(backprops.dtype) for k, s in sq.items()}
 
 
-def _registries() -> dict[str, dict[type, Any]]:
+def _more_calls(p: nn.Parameter) -> bool:
+    """Whether a call of p's module other than this one is still to be back-propagated: Opacus counts a
+    parameter's calls up in the forward hook and down after each norm sampler call."""
+    return getattr(p, "_forward_counter", 1) > 1
+
+
+def _add_call(p: nn.Parameter, grad_sample: torch.Tensor) -> torch.Tensor:
+    """p's per-sample gradients summed over its calls so far, this one included; kept on p until the last call."""
+    total = getattr(p, _CALLS_SUM, None)
+    total = grad_sample if total is None else total + grad_sample  # (N, *p.shape)
+    if _more_calls(p):
+        setattr(p, _CALLS_SUM, total)
+    elif hasattr(p, _CALLS_SUM):
+        delattr(p, _CALLS_SUM)
+    return total
+
+
+def _ghost_forward_hook(self: Any, module: nn.Module, forward_input: Any, output: Any) -> None:
+    """Opacus's ghost-clipping forward hook, without its refusal of a second call for the types whose norm sampler
+    is ours (see the module doc): its one read of ``use_ghost_clipping`` is that refusal."""
+    original = _hook["original"]
+    if self.NORM_SAMPLERS.get(type(module)) is not norm_sampler:
+        return original(self, module, forward_input, output)
+    ghost, self.use_ghost_clipping = self.use_ghost_clipping, False
     try:
-        from opacus.grad_sample import GradSampleHooks, GradSampleHooksFastGradientClipping
+        return original(self, module, forward_input, output)
+    finally:
+        self.use_ghost_clipping = ghost
+
+
+def _ghost_hooks() -> type:
+    """Opacus's ghost-clipping hooks class, whose forward hook ``register()`` wraps."""
+    try:
+        from opacus.grad_sample import GradSampleHooksFastGradientClipping
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError("convgrad.opacus: Opacus is not installed; pip install convgrad[opacus] "
                                   "(with -c constraints.txt to keep the pinned torch)") from err
-    return {"grad": GradSampleHooks.GRAD_SAMPLERS, "norm": GradSampleHooksFastGradientClipping.NORM_SAMPLERS}
+    return GradSampleHooksFastGradientClipping
+
+
+def _registries() -> dict[str, dict[type, Any]]:
+    from opacus.grad_sample import GradSampleHooks
+
+    return {"grad": GradSampleHooks.GRAD_SAMPLERS, "norm": _ghost_hooks().NORM_SAMPLERS}
 
 
 _OURS = {"grad": grad_sampler, "norm": norm_sampler}
@@ -120,8 +172,10 @@ def register() -> None:
 
     Registers [grad_sampler][convgrad.opacus.grad_sampler] and [norm_sampler][convgrad.opacus.norm_sampler]
     for Conv1d/2d/3d and ConvTranspose1d/2d/3d of torch.nn, of convgrad.nn, and the classes
-    ``convgrad.patch`` gives them. Call it before Opacus wraps the model (``make_private``,
-    ``GradSampleModule``): the wrapper decides at that moment which layers run through functorch.
+    ``convgrad.patch`` gives them, and wraps Opacus's ghost-clipping forward hook so that a conv
+    called several times in one forward is clipped exactly (see the module doc). Call it before
+    Opacus wraps the model (``make_private``, ``GradSampleModule``): the wrapper decides at that
+    moment which layers run through functorch, and binds its hooks.
     The entries found before the first call are kept for
     [unregister][convgrad.opacus.unregister]; calling it again changes nothing else.
 
@@ -142,8 +196,10 @@ def register() -> None:
         (torch.Size([4, 2, 3, 3, 3]), torch.Size([4, 2]))
         >>> convgrad.opacus.unregister()
     """
-    registries = _registries()
-    types = _module_types()
+    cls, registries, types = _ghost_hooks(), _registries(), _module_types()
+    if cls.capture_activations_hook is not _ghost_forward_hook:
+        _hook["original"] = cls.capture_activations_hook  # kept after unregister(): hooks bound now call it
+        cls.capture_activations_hook = _ghost_forward_hook
     for name, registry in registries.items():
         saved = _saved.setdefault(name, {})
         for t in types:
@@ -155,10 +211,11 @@ def register() -> None:
 def unregister() -> None:
     """Put back the Opacus entries that [register][convgrad.opacus.register] replaced.
 
-    Types that had an entry get it back; types that had none lose ours. An entry that someone
-    replaced after ``register()`` is left as it is. Models Opacus wrapped while the rules were
-    registered look their layers up again at each backward. Without a prior ``register()`` it does
-    nothing.
+    Types that had an entry get it back; types that had none lose ours; Opacus's ghost-clipping
+    forward hook is its own again. An entry that someone replaced after ``register()`` is left as it
+    is. Models Opacus wrapped while the rules were registered look their layers up again at each
+    backward (their bound forward hook then finds no norm sampler of ours and is Opacus's). Without
+    a prior ``register()`` it does nothing.
 
     Raises:
         ModuleNotFoundError: Opacus is not installed.
@@ -176,7 +233,9 @@ def unregister() -> None:
         >>> GradSampleHooks.GRAD_SAMPLERS[torch.nn.Conv2d] is before
         True
     """
-    registries = _registries()
+    cls, registries = _ghost_hooks(), _registries()
+    if cls.capture_activations_hook is _ghost_forward_hook:
+        cls.capture_activations_hook = _hook["original"]
     for name, saved in _saved.items():
         registry = registries[name]
         for t, entry in saved.items():
