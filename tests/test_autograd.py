@@ -1,6 +1,9 @@
-"""convgrad's autograd Functions: gradcheck, gradgradcheck, Hessian-vector products, needs_input_grad."""
+"""convgrad's autograd Functions: gradcheck and gradgradcheck with PyTorch OpInfo's flags, Hessian-vector products,
+needs_input_grad."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -10,7 +13,8 @@ import convgrad as cg
 from convgrad.backends import get_backend
 from helpers import TOL
 
-DIFFERENTIABLE = [b for b in cg.backends() if get_backend(b).differentiable]
+BACKENDS = cg.backends()
+DIFFERENTIABLE = [b for b in BACKENDS if get_backend(b).differentiable]
 
 # (input shape, weight shape, kwargs) — tiny shapes covering the hard cases in 1d, 2d and 3d
 FORWARD = [
@@ -26,22 +30,67 @@ TRANSPOSED = [
 ]
 
 
-@pytest.mark.parametrize("backend", DIFFERENTIABLE)
+# the strided 3d kernel whose 'phases' weight plan sliced its whole result with t[..., :k] (an alias, which the
+# legacy vmap of is_grads_batched cannot batch: "Batching rule not implemented for aten::alias")
+PHASES_3D = ((1, 1, 4, 4, 4), (1, 1, 4, 4, 4), dict(stride=(2, 1, 1)))
+FORWARD.append(PHASES_3D)
+
+# The flags PyTorch's OpInfo tests (test_ops.py: test_fn_grad, test_forward_mode_AD, test_fn_gradgrad,
+# test_fn_fwgrad_bwgrad) set for nn.functional.conv*d, which declare forward AD and fwgrad_bwgrad support.
+OPINFO_GRAD = dict(check_batched_grad=True, check_grad_dtypes=True, check_undefined_grad=True, fast_mode=True)
+OPINFO_FORWARD_AD = dict(check_forward_ad=True, check_backward_ad=False, check_undefined_grad=True,
+                         check_batched_forward_grad=True, check_grad_dtypes=True, fast_mode=True)
+
+
+def _opinfo_gradchecks(backend: str, f: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...],
+                       second_order: str) -> None:
+    """gradcheck and forward-AD gradcheck with OpInfo's flags, then the second-order checks: ``"rev"``
+    gradgradcheck with batched gradients, ``"extra"`` gradgradcheck on non-contiguous grad_outputs and
+    forward-over-reverse (the slow tier).
+
+    backend="numpy" computes outside autograd by design: its first derivatives are checked with every flag that
+    needs no transform of its backward, and a batched gradient must be refused with its error (never a wrong
+    result)."""
+    if not get_backend(backend).differentiable:
+        assert torch.autograd.gradcheck(f, tensors, **OPINFO_GRAD | dict(check_batched_grad=False))
+        assert torch.autograd.gradcheck(f, tensors, **OPINFO_FORWARD_AD)
+        with pytest.raises(ValueError, match=r"backend='numpy' does not support torch\.func transforms"):
+            torch.autograd.gradcheck(f, tensors, **OPINFO_GRAD)
+        return
+    if second_order == "rev":
+        assert torch.autograd.gradcheck(f, tensors, **OPINFO_GRAD)
+        assert torch.autograd.gradcheck(f, tensors, **OPINFO_FORWARD_AD)
+        assert torch.autograd.gradgradcheck(f, tensors, check_batched_grad=True, check_grad_dtypes=True,
+                                            fast_mode=True)
+        return
+    assert torch.autograd.gradgradcheck(f, tensors, gen_non_contig_grad_outputs=True, check_batched_grad=True,
+                                        check_grad_dtypes=True, fast_mode=True)
+    assert torch.autograd.gradgradcheck(f, tensors, check_fwd_over_rev=True, check_rev_over_rev=False,
+                                        check_batched_grad=False, check_undefined_grad=False, check_grad_dtypes=True,
+                                        fast_mode=True)
+
+
+SECOND_ORDER = ["rev", pytest.param("extra", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("second_order", SECOND_ORDER)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("xs,ws,kw", FORWARD, ids=str)
-def test_conv_gradcheck_and_gradgradcheck(backend: str, xs: tuple, ws: tuple, kw: dict) -> None:
+def test_conv_passes_opinfo_gradchecks(backend: str, xs: tuple, ws: tuple, kw: dict, second_order: str) -> None:
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in (xs, ws, (ws[0],)))
 
     def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return cg.conv(x, w, b, backend=backend, **kw)
 
-    assert torch.autograd.gradcheck(f, (x, w, b))
-    assert torch.autograd.gradgradcheck(f, (x, w, b), fast_mode=True)
+    _opinfo_gradchecks(backend, f, (x, w, b), second_order)
 
 
-@pytest.mark.parametrize("backend", DIFFERENTIABLE)
+@pytest.mark.parametrize("second_order", SECOND_ORDER)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("xs,ws,kw", TRANSPOSED, ids=str)
-def test_conv_transpose_gradcheck_and_gradgradcheck(backend: str, xs: tuple, ws: tuple, kw: dict) -> None:
+def test_conv_transpose_passes_opinfo_gradchecks(backend: str, xs: tuple, ws: tuple, kw: dict,
+                                                 second_order: str) -> None:
     g = torch.Generator().manual_seed(0)
     c_out = ws[1] * kw.get("groups", 1)
     x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in (xs, ws, (c_out,)))
@@ -49,8 +98,24 @@ def test_conv_transpose_gradcheck_and_gradgradcheck(backend: str, xs: tuple, ws:
     def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return cg.conv_transpose(x, w, b, backend=backend, **kw)
 
-    assert torch.autograd.gradcheck(f, (x, w, b))
-    assert torch.autograd.gradgradcheck(f, (x, w, b), fast_mode=True)
+    _opinfo_gradchecks(backend, f, (x, w, b), second_order)
+
+
+def test_batched_grads_through_the_phases_weight_plan() -> None:
+    """The issue's reproducer: is_grads_batched through fwdconv's 'phases' plan of a strided 3d kernel."""
+    from convgrad.backends.fwdconv import plan_weight_grad
+    from convgrad.spec import ConvSpec
+
+    xs, ws, kw = PHASES_3D
+    assert plan_weight_grad(ConvSpec.from_shapes(xs, ws, **kw)).method == "phases"
+    g = torch.Generator().manual_seed(4)
+    x, w = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in (xs, ws))
+    y = cg.conv3d(x, w, backend="fwdconv", **kw)
+    gys = torch.randn(3, *y.shape, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad(y, (x, w), gys, is_grads_batched=True)
+    ref = F.conv3d(x, w, **kw)
+    for a, r in zip(ours, torch.autograd.grad(ref, (x, w), gys, is_grads_batched=True)):
+        torch.testing.assert_close(a, r, **TOL[torch.float64])
 
 
 @pytest.mark.parametrize("backend", DIFFERENTIABLE)

@@ -101,8 +101,10 @@ ROWS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
      r"conv: weight\.device=meta does not match input\.device=\w+"),
     # tuple lengths
     ("stride-length", _bw(stride=(2, 2, 2)), ValueError,
-     r"conv_backward: stride=\(2, 2, 2\) must have 2 entries, one per spatial dim \(got 3\)"),
-    ("dilation-length", _bw(dilation=(1,)), ValueError, r"conv_backward: dilation=\(1,\) must have 2 entries"),
+     r"conv_backward: stride=\(2, 2, 2\) must have 1 or 2 entries, one per spatial dim \(got 3\)"),
+    ("dilation-length", _bw(dilation=(1, 1, 1)), ValueError,
+     r"conv_backward: dilation=\(1, 1, 1\) must have 1 or 2 entries"),
+    ("stride-empty", _bw(stride=()), ValueError, r"conv_backward: stride=\(\) must have 1 or 2 entries"),
     ("padding-pairs-count", _bw(padding=((1, 1),)), ValueError,
      r"conv_backward: padding=\(\(1, 1\),\) must have 2 \(lo, hi\) pairs"),
     ("padding-pair-length", _bw(padding=((1, 1, 1), (0, 0))), ValueError,

@@ -103,7 +103,7 @@ BAD: list[tuple[dict, type, str]] = [
     (dict(stride=1.5), TypeError, r"stride=1.5 must be an int"),
     (dict(padding=(1.0, 1)), TypeError, r"padding=\(1.0, 1\) must contain only ints"),
     (dict(dilation=True), TypeError, r"dilation=True must be an int"),
-    (dict(stride=(1, 1, 1)), ValueError, r"stride=\(1, 1, 1\) must have 2 entries"),
+    (dict(stride=(1, 1, 1)), ValueError, r"stride=\(1, 1, 1\) must have 1 or 2 entries"),
     (dict(padding=((1, 1),)), ValueError, r"padding=.*must have 2 \(lo, hi\) pairs"),
     (dict(padding="full"), ValueError, r"padding='full' must be an int, a tuple, 'same' or 'valid'"),
     (dict(groups=0), ValueError, r"groups=0 must be positive"),

@@ -68,7 +68,10 @@ class _ConvCore(torch.autograd.Function):
     @staticmethod
     def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec,
                 backend: str) -> torch.Tensor:
-        return native_forward(spec, input, weight, bias)
+        out = native_forward(spec, input, weight, bias)
+        # a transposed conv with asymmetric padding crops aten's result: a view, whose forward-AD tangent autograd
+        # then requires to be a view of the same layout (an internal assert under jvp otherwise); return a copy
+        return out.clone() if out._base is not None else out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:

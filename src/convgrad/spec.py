@@ -108,14 +108,22 @@ def _is_int(v: object) -> bool:
     return (isinstance(v, int) and not isinstance(v, bool)) or type(v).__name__ in {"int64", "int32"}
 
 
-def _ntuple(fn: str, name: str, value: Any, n: int, minimum: int) -> tuple[int, ...]:
-    """Normalise an int or an n-sequence of ints, checking each is >= minimum."""
+def _ntuple(fn: str, name: str, value: Any, n: int, minimum: int, *, broadcast: bool = False) -> tuple[int, ...]:
+    """Normalise an int or an n-sequence of ints, checking each is >= minimum.
+
+    ``broadcast``: a one-element sequence stands for every dim, as torch's convolutions read stride, padding,
+    dilation and output_padding (``stride=(2,)`` of a 2d conv is ``(2, 2)``); shapes never broadcast.
+    """
     if _is_int(value):
         values: tuple[Any, ...] = (int(value),) * n
     elif isinstance(value, Sequence) and not isinstance(value, str):
         values = tuple(value)
+        if broadcast and len(values) == 1:
+            values *= n
         if len(values) != n:
-            raise ValueError(f"{fn}: {name}={value!r} must have {n} entries, one per spatial dim (got {len(values)})")
+            rule = f"1 or {n}" if broadcast and n > 1 else f"{n}"
+            raise ValueError(f"{fn}: {name}={value!r} must have {rule} entries, one per spatial dim "
+                             f"(got {len(values)})")
     else:
         raise TypeError(f"{fn}: {name}={value!r} must be an int or a tuple of {n} ints")
     for v in values:
@@ -153,7 +161,7 @@ def _padding_pairs(fn: str, padding: PaddingArg, n: int, transposed: bool) -> tu
             lo, hi = _ntuple(fn, "padding", tuple(p), 2, 0)
             pairs.append((lo, hi))
         return tuple(pairs)
-    return tuple((p, p) for p in _ntuple(fn, "padding", padding, n, 0))
+    return tuple((p, p) for p in _ntuple(fn, "padding", padding, n, 0, broadcast=True))
 
 
 def _exact(v: object) -> bool:
@@ -267,9 +275,9 @@ class ConvSpec:
             raise TypeError(f"{fn}: groups={groups!r} must be an int")
         if groups < 1:
             raise ValueError(f"{fn}: groups={groups} must be positive")
-        stride_t = _ntuple(fn, "stride", stride, n, 1)
-        dilation_t = _ntuple(fn, "dilation", dilation, n, 1)
-        op = _ntuple(fn, "output_padding", output_padding, n, 0)
+        stride_t = _ntuple(fn, "stride", stride, n, 1, broadcast=True)
+        dilation_t = _ntuple(fn, "dilation", dilation, n, 1, broadcast=True)
+        op = _ntuple(fn, "output_padding", output_padding, n, 0, broadcast=True)
         pads = _padding_pairs(fn, padding, n, transposed)
         kernel = weight_shape[2:]
         if any(k < 1 for k in kernel):

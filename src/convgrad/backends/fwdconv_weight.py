@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad._ops import batched_like
+from convgrad._ops import batched_like, sliced
 from convgrad.backends import fwdconv_geometry as geo
 from convgrad.backends.fwdconv_plan import (
     BatchIntoChannels,
@@ -185,7 +185,7 @@ class PhasesToKernel:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         split, perm, taps = self._steps(tuple(t.shape))
         t = t.reshape(split).permute(perm).reshape(taps)  # (C_y, C_x/g, *(q*s)): tap s*q + rho in order
-        return t[(..., *(slice(0, k) for k in self.shape[2:]))]  # (C_y, C_x/g, *k)
+        return sliced(t, [slice(0, k) for k in self.shape[2:]])  # (C_y, C_x/g, *k)
 
     def describe(self) -> str:
         return f"interleave the phases' results: result q of phase rho is tap {self.stride}*q + rho"
