@@ -217,12 +217,15 @@ def test_paired_phases_under_vmap_jacrev_and_forward_ad() -> None:
     assert torch.allclose(batched, torch.stack([input_grad(gy), input_grad(t)]))
 
 
-@pytest.mark.parametrize("case", [*PHASE_CASES, *random_cases(12, seed=44)], ids=str)
+def _forward(cases: list[Case]) -> list[Case]:
+    """The forward convolutions: a transposed one's grad_input is a forward conv itself (no phases, no methods)."""
+    return [c for c in cases if not c.transposed]
+
+
+@pytest.mark.parametrize("case", _forward([*PHASE_CASES, *random_cases(12, seed=44)]), ids=str)
 def test_phase_taps_are_exactly_the_taps_that_reach_each_row(case: Case) -> None:
     """Brute force: row u of x gets tap t from output j exactly when u + p_lo = j*s + t*d with 0 <= j < o."""
     spec = case.spec()
-    if spec.transposed:
-        return
     for dim, phases in enumerate(spec.phases):
         i, k, s, d, (lo, _), o = (spec.x_size[dim], spec.kernel_size[dim], spec.stride[dim], spec.dilation[dim],
                                   spec.padding[dim], spec.y_size[dim])
@@ -242,22 +245,29 @@ def _forced_cases() -> list[Case]:
     return [*PHASE_CASES, *grid_cases()]
 
 
-@pytest.mark.parametrize("method", INPUT_METHODS)
-@pytest.mark.parametrize("case", _forced_cases(), ids=str)
+def _input_method_cases(serves: bool) -> list[Any]:
+    """(case, method) for every forward case and input formulation that serves it (or, serves=False, refuses it:
+    sub-pixel needs every phase at dilation 1)."""
+    return [pytest.param(c, m, id=f"{c}-{m}") for c in _forward(_forced_cases()) for m in INPUT_METHODS
+            if (m != "subpixel" or c.spec().subpixel_taps is not None) is serves]
+
+
+@pytest.mark.parametrize(("case", "method"), _input_method_cases(serves=True))
 def test_every_input_formulation_matches_autograd(case: Case, method: str) -> None:
     spec = case.spec()
-    if spec.transposed:  # its grad_input is the forward conv itself; no formulations to choose from
-        return
-    try:
-        plan = plan_input_grad(spec, method)
-    except ValueError:
-        assert method == "subpixel" and spec.subpixel_taps is None
-        return
+    plan = plan_input_grad(spec, method)
+    assert plan.method == ("direct" if method == "zero_insert" and max(spec.stride) == 1 else method)  # no zeros
     t = make_tensors(case)
     gy = t["grad_output"].unsqueeze(0) if spec.unbatched else t["grad_output"]
     gi = execute(plan, gy, t["weight"])
     gi = gi.squeeze(0) if spec.unbatched else gi
     assert_matches_autograd({"grad_input": gi}, reference_grads(case, t), torch.float64, f"{method} {case}")
+
+
+@pytest.mark.parametrize(("case", "method"), _input_method_cases(serves=False))
+def test_an_input_formulation_that_cannot_serve_is_refused(case: Case, method: str) -> None:
+    with pytest.raises(ValueError, match=f"method={method!r}"):
+        plan_input_grad(case.spec(), method)
 
 
 def _refuses(method: str, spec: Any) -> bool:
