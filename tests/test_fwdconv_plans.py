@@ -276,15 +276,23 @@ def _refuses(method: str, spec: Any) -> bool:
         method == "phases" and any(d > 1 for d in spec.dilation))
 
 
-@pytest.mark.parametrize("method", WEIGHT_METHODS)
-@pytest.mark.parametrize("case", _forced_cases(), ids=str)
+def _weight_method_cases(serves: bool) -> list[Any]:
+    """(case, method) for every case and weight formulation that serves it (or, serves=False, refuses it)."""
+    return [pytest.param(c, m, id=f"{c}-{m}") for c in _forced_cases() for m in WEIGHT_METHODS
+            if (not _refuses(m, c.spec())) is serves]
+
+
+@pytest.mark.parametrize(("case", "method"), _weight_method_cases(serves=False))
+def test_a_weight_formulation_that_cannot_serve_is_refused(case: Case, method: str) -> None:
+    with pytest.raises(ValueError, match=f"method={method!r}"):
+        plan_weight_grad(case.spec(), method)
+
+
+@pytest.mark.parametrize(("case", "method"), _weight_method_cases(serves=True))
 def test_every_weight_formulation_matches_autograd(case: Case, method: str) -> None:
     spec = case.spec()
-    try:
-        plan = plan_weight_grad(spec, method)
-    except ValueError:
-        assert _refuses(method, spec)
-        return
+    plan = plan_weight_grad(spec, method)
+    assert plan.method == ("empty" if spec.batch == 0 else method)
     t = make_tensors(case)
     x, gy = t["input"], t["grad_output"]
     if spec.unbatched:
