@@ -76,6 +76,21 @@ def test_strided_1x1_grad_input_is_one_matmul_phase_and_zeros() -> None:
     (_spec((8, 3, 224, 224), (64, 3, 7, 7), stride=2, padding=3), "per_sample"),  # RGB stem
     (_spec((4, 1, 16000), (512, 1, 10), stride=5), "per_sample"),  # C_in = 1
     (_spec((2, 128, 8, 28, 28), (128, 128, 3, 3, 3), padding=1), "per_sample"),  # batch 2
+    # the edges of each rule
+    (_spec((8, 64, 28, 28), (64, 64, 2, 2), stride=2), "taps"),  # k = s: windows tile x exactly
+    (_spec((8, 64, 28, 28), (64, 64, 3, 2), stride=(3, 2)), "taps"),  # taps = prod(stride) per dim product
+    (_spec((8, 64, 28, 28), (64, 64, 3, 3), stride=2, padding=1), "kernel"),  # 9 taps > 4: windows overlap
+    (_spec((2, 6, 5, 9, 8), (6, 1, 3, 3, 3), stride=(1, 2, 2), padding=1, groups=6), "phases"),  # X3D-like
+    (_spec((2, 6, 5, 9, 8), (6, 1, 3, 3, 3), stride=(1, 2, 2), padding=2, dilation=2, groups=6), "per_sample"),
+    (_spec((2, 6, 5, 9, 8), (6, 1, 3, 3, 3), padding=1, groups=6), "per_sample"),  # stride 1: no phases
+    (_spec((2, 6, 9, 8), (6, 1, 3, 3), stride=2, padding=1, groups=6), "per_sample"),  # 2d: phases lose
+    (_spec((8, 12, 5, 9, 8), (12, 6, 3, 3, 3), stride=2, padding=1, groups=2), "kernel"),  # 6 channels per group
+    (_spec((8, 12, 9, 9), (12, 3, 3, 3), padding=1, groups=4), "per_sample"),  # 3 input channels per group
+    (_spec((8, 16, 9, 9), (12, 4, 3, 3), padding=1, groups=4), "kernel"),  # 4 per group
+    (_spec((8, 64, 33, 33), (64, 64, 3, 3), padding=2, dilation=2), "blocks"),  # dilation 2 is enough
+    (_spec((8, 64, 33, 33), (64, 64, 3, 3), stride=(1, 2), padding=2, dilation=2), "kernel"),  # strided: no blocks
+    (_spec((3, 64, 28, 28), (64, 64, 3, 3), padding=1), "kernel"),  # batch 3 > PER_SAMPLE_MAX_BATCH
+    (_spec((2, 64, 28, 28), (64, 64, 3, 3), padding=1), "per_sample"),  # batch 2
 ], ids=lambda v: v if isinstance(v, str) else v.describe())
 def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str) -> None:
     assert plan_weight_grad(spec).method == method
@@ -87,10 +102,20 @@ def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str)
     (_spec((8, 64, 56, 56), (64, 64, 3, 3), padding=1), torch.float64, "taps"),
     (_spec((16, 144, 56, 56), (144, 1, 3, 3), padding=1, groups=144), torch.float32, None),  # oneDNN: the rules
     (_spec((4, 1, 16000), (512, 1, 10), stride=5), torch.float64, None),  # one input channel
+    (_spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1), torch.float32, None),  # oneDNN, however small
+    (_spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1), torch.bfloat16, None),
+    (_spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1), torch.float16, "taps"),
+    (_spec((8, 256, 56, 56), (256, 256, 3, 3), padding=1), torch.float64, None),  # 58M folded > TAPS_MAX_ELEMENTS
 ], ids=str)
 def test_non_onednn_dtypes_fold_the_taps_for_grad_weight(spec: ConvSpec, dtype: torch.dtype,
                                                           method: str | None) -> None:
     assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=dtype)) == method
+
+
+def test_the_im2col_rule_is_for_the_cpu_only() -> None:
+    spec = _spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1)
+    assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=torch.float64)) == "taps"
+    assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=torch.float64, device="meta")) is None
 
 
 def test_depthwise_one_tap_phase_is_a_per_channel_scale() -> None:
