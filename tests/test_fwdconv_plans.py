@@ -191,7 +191,9 @@ def test_batch_chunks_match_autograd_and_the_whole_batch(case: Case, dtype: torc
     assert chunks[3:] == [5] and torch.equal(chunked, whole)
 
 
-def test_batch_chunks_keep_double_backward_and_batch_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fast_mode", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_batch_chunks_keep_double_backward_and_batch_zero(monkeypatch: pytest.MonkeyPatch, fast_mode: bool) -> None:
+    """gradcheck's fast mode (a random projection of the Jacobian) in the fast tier, the whole Jacobian in the slow."""
     monkeypatch.setattr(fwdconv_phases, "CHUNK_BYTES", 1)  # one sample per chunk
     case = CHUNKED_CASES[0]
     gy = make_tensors(case)["grad_output"][:2].requires_grad_()
@@ -201,7 +203,8 @@ def test_batch_chunks_keep_double_backward_and_batch_zero(monkeypatch: pytest.Mo
         shape = (gy.shape[0], *case.input_shape[1:])
         return cg.conv_input_grad(shape, w, gy, stride=2, padding=1, groups=6, backend="fwdconv")
 
-    assert torch.autograd.gradcheck(input_grad, (gy, w)) and torch.autograd.gradgradcheck(input_grad, (gy, w))
+    assert torch.autograd.gradcheck(input_grad, (gy, w), fast_mode=fast_mode)
+    assert torch.autograd.gradgradcheck(input_grad, (gy, w), fast_mode=fast_mode)
     empty = input_grad(gy[:0].detach(), w.detach())
     assert empty.shape == (0, *case.input_shape[1:])
 
