@@ -1,17 +1,36 @@
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 # backend="auto" is native in the tests: deterministic and fast (tests/test_auto.py switches tuning on)
 os.environ.setdefault("CONVGRAD_AUTOTUNE", "fixed")
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # the tests import their one helper module as `helpers`
 sys.path.insert(0, str(Path(__file__).parent))
 
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+# One thread for the whole run: the tensors are tiny, and with more threads than free cores every op waits on the
+# thread pool (tens of ms instead of microseconds on a loaded 2-core machine). CONVGRAD_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("CONVGRAD_TEST_THREADS", "1")))
+
+# Hypothesis profiles, chosen by CONVGRAD_FUZZ_PROFILE: "fast" (the default, `python -m pytest`), "ci" (the full
+# run, .ci/run), "thorough" (by hand, random seed). Fixed seeds and no example database keep the first two
+# reproducible; tests that set max_examples themselves keep that count and take the rest from the profile.
+_COMMON: dict[str, Any] = dict(deadline=None, database=None, print_blob=True,
+                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                      HealthCheck.function_scoped_fixture])
+settings.register_profile("convgrad-fast", max_examples=40, derandomize=True, **_COMMON)
+settings.register_profile("convgrad-ci", max_examples=300, derandomize=True, **_COMMON)
+settings.register_profile("convgrad-thorough", max_examples=10_000, **_COMMON)
+PROFILE = "convgrad-" + os.environ.get("CONVGRAD_FUZZ_PROFILE", "fast")
+settings.load_profile(PROFILE)
+
+NO_CUDA = "no CUDA device"
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=_CUDA)])
@@ -23,8 +42,17 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"convgrad: torch {torch.__version__}, {torch.get_num_threads()} thread(s), hypothesis profile {PROFILE}"
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """How many configurations and frames tests/test_explain_frames.py checked against the Jacobian, per profile."""
+    """Why the CUDA tests were skipped, in one line; and how many configurations and frames
+    tests/test_explain_frames.py checked against the Jacobian, per profile."""
+    cuda = sum(NO_CUDA in str(r.longrepr) for r in terminalreporter.stats.get("skipped", []))
+    if cuda:
+        terminalreporter.write_line(f"convgrad: {cuda} CUDA tests skipped: no GPU on this machine "
+                                    "(they run wherever torch.cuda.is_available())")
     frames = sys.modules.get("test_explain_frames")
     for line in frames.tally_lines() if frames is not None else []:
         terminalreporter.write_line(line)

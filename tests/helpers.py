@@ -138,6 +138,19 @@ def assert_matches_autograd(ours: dict[str, torch.Tensor | None], ref: dict[str,
 
 # ---- the grid ---------------------------------------------------------------------------------------------------
 
+# On the grid's small cases these backends compute through another: auto in fixed mode is native, chunked holds the
+# batch in one chunk, regroup merges by a factor of 1. tests/test_auto.py, test_chunked.py and test_regroup.py force
+# their own paths (a tuning race, several chunks, merges > 1); the full grids over them run in the slow tier.
+DELEGATING = ("auto", "chunked", "regroup")
+
+
+def grid_backends(names: list[str]) -> list[Any]:
+    """Backend parameters for a full grid: the ones in DELEGATING marked slow (the full tier only)."""
+    import pytest
+
+    return [pytest.param(b, marks=pytest.mark.slow) if b in DELEGATING else b for b in names]
+
+
 def _c(n: int, name: str, cin: int, cout: int, size: Any, k: Any, transposed: bool = False, batch: int | None = 2,
        **kw: Any) -> Case:
     size = (size,) * n if isinstance(size, int) else tuple(size)

@@ -100,7 +100,10 @@ def test_both_gradients_are_tuned_once_settled_and_remembered(tune: None, tuning
     both = auto.chosen(case.spec(), "both", t["grad_output"])
     assert both is not None and both.backend in ("split", *auto.CANDIDATES) and not both.rejected
     assert set(both.times) <= {*auto.CANDIDATES, "split"} and "native" in both.times
-    assert (both.backend == "split") == (len(both.parts) == 2) or both.parts
+    # parts name the two halves exactly when "split" was an option (the best grad_input and grad_weight differ)
+    assert ("split" in both.times) == (len(both.parts) == 2) and len(both.parts) in (0, 2)
+    assert both.backend != "split" or "split" in both.times
+    assert not both.parts or (both.parts[0] != both.parts[1] and set(both.parts) <= set(auto.CANDIDATES))
     for _ in range(3):
         assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
     assert tunings == ["both"]  # remembered

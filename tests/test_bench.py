@@ -44,6 +44,7 @@ def test_select_refuses_unknown_suites_and_patterns_that_match_nothing() -> None
     assert [layer.name for layer in layers.select("default", ["wav2vec2.*"])] == ["wav2vec2.k10s5", "wav2vec2.k3s2"]
 
 
+@pytest.mark.slow  # times real layers
 def test_smoke_run_writes_json_markdown_and_a_chart(tmp_path: Any) -> None:
     out = tmp_path / "bench"
     assert cli.main(["bench", "--suite", "smoke", "--backends", "fwdconv", "gemm", "auto", "--dtype", "float32",
@@ -202,6 +203,7 @@ def test_list_prints_the_layers_and_times_nothing(capsys: Any, tmp_path: Any) ->
     assert all((layer.name in listed) == layer.float64 for layer in layers.SUITES["default"])
 
 
+@pytest.mark.slow  # times real layers
 def test_printed_tables_are_whole_in_a_pipe_and_name_no_targets(tmp_path: Any) -> None:
     """Piped, rich used to squeeze the table into 80 columns ("resne…"); the summary showed goals and a red NO."""
     import os

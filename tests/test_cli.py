@@ -1,13 +1,22 @@
-"""The command line as a user meets it: real processes, real pipes; one line on stderr and exit 2 for a user error."""
+"""The command line as a user meets it: one line on stderr and exit 2 for a user error, quiet on a closed pipe.
+
+The commands run in-process (``cli.main(argv)`` with its streams captured); two smoke tests start real
+processes: ``python -m convgrad`` and the ``convgrad`` console script (a shell pipeline into ``head`` is in
+the slow tier).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import pytest
 import torch
@@ -15,18 +24,53 @@ import torch
 from convgrad import cli
 
 CONFIG = ["--input", "2,4,9,9", "--weight", "6,2,3,3", "--stride", "2", "--groups", "2"]
+TINY = ["--input", "1,1,5", "--weight", "1,1,3"]  # its picture draws in a fraction of CONFIG's time
 ABSENT_CUDA = "cuda:99" if torch.cuda.is_available() else "cuda"  # a device this machine does not have
 
 
-def _convgrad(*args: str, cwd: Path | None = None, stdout: Any = subprocess.PIPE,
-              program: tuple[str, ...] = (sys.executable, "-m", "convgrad")) -> subprocess.CompletedProcess[str]:
-    # GNU readline, which pytest loads, exports COLUMNS=80 to children; a user's pipe has no COLUMNS
+def _process(*args: str, cwd: Path | None = None,
+             program: tuple[str, ...] = (sys.executable, "-m", "convgrad")) -> subprocess.CompletedProcess[str]:
+    """A real process, for the smoke tests. GNU readline, which pytest loads, exports COLUMNS=80 to children; a
+    user's pipe has no COLUMNS."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    return subprocess.run([*program, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=cwd, timeout=600,
-                          env=env)
+    return subprocess.run([*program, *args], capture_output=True, text=True, cwd=cwd, timeout=600, env=env)
 
 
-def _assert_one_line_error(proc: subprocess.CompletedProcess[str], command: str, message: str) -> None:
+@dataclass
+class Ran:
+    """What ``cli.main(argv)`` left: its exit status and what it wrote (a CompletedProcess's fields)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@contextlib.contextmanager
+def _cwd(path: Path | None) -> Iterator[None]:
+    """In ``path``, as a process started there would be, with its modules imported afresh and forgotten after."""
+    before, modules = os.getcwd(), set(sys.modules)
+    os.chdir(path or before)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+        for name in set(sys.modules) - modules:
+            if name == "mymodels":
+                del sys.modules[name]
+
+
+def _convgrad(*args: str, cwd: Path | None = None, stdout: TextIO | None = None) -> Ran:
+    """``convgrad ARGS`` in-process: cli.main with stdout (or the given stream) and stderr captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with _cwd(cwd), contextlib.redirect_stdout(stdout or out), contextlib.redirect_stderr(err):
+        try:
+            code: Any = cli.main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    return Ran(int(code or 0), out.getvalue(), err.getvalue())
+
+
+def _assert_one_line_error(proc: Ran, command: str, message: str) -> None:
     err = proc.stderr
     assert proc.returncode == 2, (proc.returncode, err)
     assert "Traceback" not in err and err.count("\n") == 1 and err.endswith("\n"), err
@@ -35,11 +79,12 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess[str], command: str,
 
 
 def test_python_m_convgrad_runs_the_commands() -> None:
-    proc = _convgrad("--help")
+    """Smoke test: a real ``python -m convgrad`` process."""
+    proc = _process("--help")
     assert proc.returncode == 0 and proc.stderr == ""
     for command in ("demo", "check", "bench", "explain"):
         assert command in proc.stdout
-    proc = _convgrad("check", *CONFIG, "--backend", "fwdconv", "--dtype", "float16")
+    proc = _process("check", *CONFIG, "--backend", "fwdconv", "--dtype", "float16")
     assert proc.returncode == 0 and "every gradient within its error bound" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -62,8 +107,8 @@ def model_dir(tmp_path: Path) -> Path:
     ("explain", [*CONFIG, "--device", ABSENT_CUDA], f"--device={ABSENT_CUDA} is not available here"),
     ("check", [*CONFIG, "--device", "foo"], "--device=foo is not a device"),
     ("explain", [*CONFIG, "--device", "foo"], "--device=foo is not a device"),
-    ("explain", [*CONFIG, "--plot", "/nonexistent/dir/x.png"], "/nonexistent/dir/x.png: No such file or directory"),
-    ("explain", [*CONFIG, "--plot", "{tmp}/mymodels.py/x.png"], "mymodels.py/x.png: Not a directory"),
+    ("explain", [*TINY, "--plot", "/nonexistent/dir/x.png"], "/nonexistent/dir/x.png: No such file or directory"),
+    ("explain", [*TINY, "--plot", "{tmp}/mymodels.py/x.png"], "mymodels.py/x.png: Not a directory"),
     ("check", ["--model", "mymodels:small_cnn", "--input-shape", "2,5,9,9"],
      "--model='mymodels:small_cnn' fails on --input-shape=2,5,9,9 (RuntimeError: Given groups=1"),
     ("check", ["--model", "mymodels", "--input-shape", "2,3,9,9"],
@@ -84,12 +129,13 @@ def test_user_errors_are_one_line_and_exit_2(command: str, argv: list[str], mess
 
 
 def test_model_in_the_current_directory_with_the_console_script(model_dir: Path) -> None:
-    """The `convgrad` script does not put the cwd on sys.path; `--model mymodels:small_cnn` must still import."""
+    """Smoke test, a real process: the `convgrad` script does not put the cwd on sys.path; `--model
+    mymodels:small_cnn` must still import."""
     script = Path(sys.executable).with_name("convgrad")
     if not script.exists():
         pytest.skip("the convgrad console script is not installed next to this interpreter")
-    proc = _convgrad("check", "--model", "mymodels:small_cnn", "--input-shape", "2,3,9,9", "--dtype", "bfloat16",
-                     cwd=model_dir, program=(str(script),))
+    proc = _process("check", "--model", "mymodels:small_cnn", "--input-shape", "2,3,9,9", "--dtype", "bfloat16",
+                    cwd=model_dir, program=(str(script),))
     assert proc.returncode == 0, proc.stderr
     assert "every gradient within its error bound" in proc.stdout and "fwdconv" in proc.stdout
 
@@ -137,12 +183,16 @@ def test_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
     read, write = os.pipe()
     os.close(read)  # every write now fails with EPIPE, deterministically
     try:
-        proc = _convgrad(*argv, stdout=write)
+        with io.TextIOWrapper(io.FileIO(write, "w", closefd=False)) as pipe:
+            proc = _convgrad(*argv, stdout=pipe)
+            with contextlib.suppress(BrokenPipeError):
+                pipe.close()  # what the command left in the buffer cannot be written either
     finally:
         os.close(write)
     assert proc.stderr == "" and proc.returncode == 1
 
 
+@pytest.mark.slow
 def test_head_in_a_shell_pipeline_ends_quietly() -> None:
     script = f"{sys.executable} -m convgrad check --random 40 --verbose | head -1"
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=600)

@@ -25,6 +25,7 @@ def _run(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
     return rc, summary
 
 
+@pytest.mark.slow  # the demo trains
 def test_demo_few_steps_agrees_and_writes_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, summary = _run(tmp_path)
     assert rc == 0
@@ -56,6 +57,7 @@ class _OffByAThousandth(NativeBackend):
         return gi, (None if gw is None else gw * (1 + 1e-3))
 
 
+@pytest.mark.slow  # the demo trains
 def test_demo_fails_on_a_wrong_backward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(backends._REGISTRY, _OffByAThousandth.name, _OffByAThousandth())
     rc, summary = _run(tmp_path, "--backend", _OffByAThousandth.name)

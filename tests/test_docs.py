@@ -75,6 +75,7 @@ def test_python_blocks_are_found_on_every_page_that_has_them() -> None:
     assert {"index.md", "how-do-i.md", "per_sample.md", "backends.md", "design.md"} <= with_code
 
 
+@pytest.mark.slow  # docs build / page runs
 @pytest.mark.parametrize("page", [p for p in [*PAGES, ROOT / "README.md"] if python_blocks(p)],
                          ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_python_blocks_run(page: Path, tmp_path: Path, capsys: Any) -> None:
@@ -220,6 +221,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Page]:
     return {p.relative_to(out).as_posix(): Page(p.read_text()) for p in out.rglob("*.html")}
 
 
+@pytest.mark.slow  # docs build / page runs
 def test_every_documented_example_is_a_code_block(site: dict[str, Page]) -> None:
     api = site["api/index.html"]
     assert {p: bad for p, page in site.items() if (bad := examples_outside_code(page))} == {}
@@ -228,20 +230,24 @@ def test_every_documented_example_is_a_code_block(site: dict[str, Page]) -> None
     assert any("conv_backward(" in text and "torch.Size" in text for text in with_prompts)  # prompts and output
 
 
+@pytest.mark.slow  # docs build / page runs
 def test_no_literal_sphinx_roles(site: dict[str, Page]) -> None:
     assert {p: bad for p, page in site.items() if (bad := sphinx_roles(page))} == {}
 
 
+@pytest.mark.slow  # docs build / page runs
 def test_no_private_names_or_bases(site: dict[str, Page]) -> None:
     private = _private_names_of_convgrad()
     assert "_ConvCore" in private
     assert {p: bad for p, page in site.items() if (bad := private_names(page, private))} == {}
 
 
+@pytest.mark.slow  # docs build / page runs
 def test_no_page_names_an_issue_or_a_seed(site: dict[str, Page]) -> None:
     assert {p: bad for p, page in site.items() if (bad := internal_words(page))} == {}
 
 
+@pytest.mark.slow  # docs build / page runs
 def test_each_cli_command_has_a_page_with_its_output(site: dict[str, Page]) -> None:
     from convgrad.cli import COMMANDS
 
@@ -253,6 +259,7 @@ def test_each_cli_command_has_a_page_with_its_output(site: dict[str, Page]) -> N
         assert runs and any(f"usage: convgrad {name}" in text for text in runs), f"cli/{name}: no real output"
 
 
+@pytest.mark.slow  # docs build / page runs
 def test_every_python_block_of_the_site_is_one_the_tests_run(site: dict[str, Page]) -> None:
     """A block the runner misses (``` py, an indented fence it cannot see) would still show as Python code."""
     for md in PAGES:
@@ -317,6 +324,7 @@ def test_cli_output_shows_whole_cells() -> None:
     assert widths["convgrad check --random 20 --seed 0"] > 100 and widths["convgrad check --help"] == 100
 
 
+@pytest.mark.slow  # docs build / page runs
 def test_cli_output_is_current() -> None:
     """What the pages show is what the commands print now (`python docs/cli_output.py` rewrites it)."""
     problems = cli_output.regenerate(check_only=True, in_process=True)

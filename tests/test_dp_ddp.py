@@ -22,6 +22,8 @@ import convgrad as cg
 from helpers import assert_matches_autograd
 from ranks import run_ranks
 
+pytestmark = pytest.mark.slow  # DDP: every test reads the ranks' results (two processes)
+
 DT = torch.float64
 TIMEOUT_S = 180  # two fresh interpreters import torch, convgrad and Opacus on a shared machine
 SHARDS = (3, 5)

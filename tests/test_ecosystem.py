@@ -17,7 +17,7 @@ from torch.func import grad, jacfwd, jacrev, jvp, vmap
 import convgrad as cg
 import convgrad.nn as cnn
 from convgrad.backends import get_backend
-from helpers import TOL, backend_accepts
+from helpers import TOL, backend_accepts, grid_backends
 from ranks import run_ranks
 
 BACKENDS = cg.backends()
@@ -66,7 +66,8 @@ def _assert_all_close(ours: list[torch.Tensor], ref: list[torch.Tensor], dtype: 
 
 # ---- torch.compile -----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow) if b == "numpy" else b for b in BACKENDS])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_aot_eager_gradients_equal_native(backend: str, device: torch.device) -> None:
     """One graph per model (fullgraph) for backends made of torch ops; numpy's backward may break the graph."""
     _skip_unless_runs_on(backend, device)
@@ -104,7 +105,7 @@ def _operands(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return x.to(device), w.to(device), b.to(device)
 
 
-@pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
+@pytest.mark.parametrize("backend", grid_backends(TORCH_OPS_ONLY))
 def test_vmap_over_inputs_and_weights(backend: str, device: torch.device) -> None:
     x, w, b = _operands(device)
     ws = torch.stack([w, 2 * w, -w])  # one weight per sample
@@ -122,7 +123,7 @@ ONE_SIDE_BATCHED = [  # (input shape, weight shape, stride, groups): depthwise t
 
 
 @pytest.mark.parametrize("case", ONE_SIDE_BATCHED, ids=str)
-@pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
+@pytest.mark.parametrize("backend", grid_backends(TORCH_OPS_ONLY))
 def test_vmap_over_one_operand_with_a_shared_grad_output(backend: str, case: tuple[Any, ...], device: torch.device,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """vmap over the weight alone (grad_input) or the input alone (grad_weight), grad_output shared, nested with a
@@ -159,7 +160,7 @@ def test_vmap_over_one_operand_with_a_shared_grad_output(backend: str, case: tup
     torch.testing.assert_close(per_weight_grad(backend), per_weight_grad("native"), **TOL[F64])
 
 
-@pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
+@pytest.mark.parametrize("backend", grid_backends(TORCH_OPS_ONLY))
 def test_vmap_of_grad_gives_per_sample_gradients(backend: str, device: torch.device) -> None:
     """The torch.func per-sample-gradient recipe: vmap(grad(loss)) over the batch, weight and bias."""
     x, w, b = _operands(device)
@@ -176,7 +177,7 @@ def test_vmap_of_grad_gives_per_sample_gradients(backend: str, device: torch.dev
 
 
 @pytest.mark.parametrize("size", [(7, 6), (8, 8)], ids=["odd-output", "even-output"])
-@pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
+@pytest.mark.parametrize("backend", grid_backends(TORCH_OPS_ONLY))
 def test_batched_grads_and_vectorized_jacobian(backend: str, size: tuple[int, int], device: torch.device) -> None:
     """autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run the backward under the legacy vmap,
     which batches neither an alias (indexing that keeps a whole dim) nor an out= op; auto does not tune there."""
@@ -192,7 +193,7 @@ def test_batched_grads_and_vectorized_jacobian(backend: str, size: tuple[int, in
                                **TOL[F64])
 
 
-@pytest.mark.parametrize("backend", TORCH_OPS_ONLY)
+@pytest.mark.parametrize("backend", grid_backends(TORCH_OPS_ONLY))
 def test_grad_and_second_order_through_torch_func(backend: str, device: torch.device) -> None:
     x, w, _ = _operands(device)
 
@@ -241,7 +242,7 @@ def test_forward_mode_dual_numbers(device: torch.device) -> None:
 
 # ---- autocast, memory format, state_dict -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "numpy"])
+@pytest.mark.parametrize("backend", grid_backends([b for b in BACKENDS if b != "numpy"]))
 def test_autocast_bfloat16_behaves_like_native(backend: str) -> None:
     """CPU autocast: convs run in bfloat16, outputs are bfloat16, float32 parameters get float32 gradients."""
     device = torch.device("cpu")
@@ -268,7 +269,7 @@ def test_autocast_leaves_float64_alone() -> None:
         assert cg.conv2d(x, w).dtype == F.conv2d(x, w).dtype == F64
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", grid_backends(BACKENDS))
 @pytest.mark.parametrize("n", [2, 3])
 def test_channels_last_is_preserved_in_gradients(backend: str, n: int, device: torch.device) -> None:
     _skip_unless_runs_on(backend, device)
@@ -326,6 +327,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # DDP: two processes
 def test_ddp_gloo_two_processes_equals_native_ddp(tmp_path: Path) -> None:
     out = str(tmp_path / "grads.pt")
     run_ranks(_ddp_worker, lambda port: (2, port, out), nprocs=2, timeout_s=DDP_TIMEOUT_S)

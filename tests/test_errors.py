@@ -193,6 +193,7 @@ def test_every_backend_declares_complex_support_honestly() -> None:
             assert gi.dtype == gw.dtype == torch.complex128, name
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_one_backend_module_first_still_registers_every_backend() -> None:
     """Regression: importing convgrad.backends.native (as autograd does) left the registry holding native alone."""
     code = "import convgrad.backends.native, convgrad; print(convgrad.backends())"

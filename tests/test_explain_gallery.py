@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from PIL import Image
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -39,6 +40,7 @@ def test_the_gallery_covers_every_case_of_the_guide() -> None:
     assert same.output_size == same.input_size
 
 
+@pytest.mark.slow  # the gallery
 def test_make_gallery_writes_the_page_and_every_animation_it_links(tmp_path: Path) -> None:
     gallery = _gallery()
     cases = [c for c in gallery.CASES if c.slug in gallery.QUICK]

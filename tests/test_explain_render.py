@@ -65,7 +65,8 @@ def _cells(fig: Figure) -> list[tuple[Rectangle, float]]:
     return out
 
 
-@pytest.mark.parametrize("name", list(CONFIGS), ids=str)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "224" else n for n in CONFIGS],
+                         ids=str)
 def test_frames_are_800_px_wide_with_text_of_9_px_and_cells_of_20_px(name: str) -> None:
     for _, fig in _frame_figures(_recipe(name)):
         assert round(fig.get_size_inches()[0] * fig.dpi) == 800
@@ -216,6 +217,7 @@ def test_printed_numbers_are_the_sums_of_the_drawn_products() -> None:
                 assert total == float(t[sc.result][index]), (name, gradient, frame.cell)
 
 
+@pytest.mark.slow  # a 224x224 layer drawn and animated
 def test_a_big_layer_is_bounded_and_says_so(tmp_path: Path) -> None:
     recipe = _recipe("224")
     for gradient in ("forward", "grad_input", "grad_weight"):

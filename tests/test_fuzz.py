@@ -8,9 +8,10 @@ For every registered backend it checks conv_backward, the single-gradient helper
 and the autograd functions, and once per example the torch.nn.grad names; the reference is torch
 autograd in float64 on the explicitly padded problem (tests/helpers.py).
 
-Profiles (hypothesis settings profiles):
+Profiles (hypothesis settings profiles, registered in tests/conftest.py, chosen by CONVGRAD_FUZZ_PROFILE):
 
-* ``convgrad-ci`` (default): 300 examples, fixed seed (derandomize), no example database.
+* ``convgrad-fast`` (default, ``python -m pytest``): 40 examples, fixed seed (derandomize), no example database.
+* ``convgrad-ci`` (the full run, ``.ci/run``): 300 examples, fixed seed, no example database.
 * ``convgrad-thorough``: 10,000 examples, random seed. Run it with
   ``pytest -m slow tests/test_fuzz.py -k thorough --hypothesis-show-statistics``, or make the
   default test use it: ``CONVGRAD_FUZZ_PROFILE=thorough pytest tests/test_fuzz.py``.
@@ -20,24 +21,16 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, event, example, given, settings
+from hypothesis import assume, event, example, given, settings
 from hypothesis import strategies as st
 
 import convgrad as cg
 from helpers import TOL, Case, assert_matches_autograd, make_tensors, reference_forward, reference_grads
-
-_COMMON: dict[str, Any] = dict(deadline=None, database=None, print_blob=True,
-                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                      HealthCheck.function_scoped_fixture])
-settings.register_profile("convgrad-ci", max_examples=300, derandomize=True, **_COMMON)
-settings.register_profile("convgrad-thorough", max_examples=10_000, **_COMMON)
-PROFILE = "convgrad-" + os.environ.get("CONVGRAD_FUZZ_PROFILE", "ci")
 
 BACKENDS = cg.backends()
 LAYOUTS = ("contiguous", "channels_last", "transposed_view", "sliced_view")
@@ -233,8 +226,7 @@ NUMPY_PAD_THEN_CROP = Example(Case((1, 1, 1, 1), (1, 1, 1, 1, 1), (1, 1, 3), ((0
                               torch.float64, ("contiguous",) * 3, (True, True, True), False, 0)  # type: ignore[arg-type]
 
 
-@settings(settings.get_profile(PROFILE))
-@given(ex=examples())
+@given(ex=examples())  # the loaded profile (tests/conftest.py) sets the examples
 @example(ex=PAD_THEN_CROP)
 @example(ex=NUMPY_PAD_THEN_CROP)
 def test_every_gradient_function_and_backend_matches_autograd(ex: Example, device: torch.device) -> None:

@@ -76,6 +76,21 @@ def test_strided_1x1_grad_input_is_one_matmul_phase_and_zeros() -> None:
     (_spec((8, 3, 224, 224), (64, 3, 7, 7), stride=2, padding=3), "per_sample"),  # RGB stem
     (_spec((4, 1, 16000), (512, 1, 10), stride=5), "per_sample"),  # C_in = 1
     (_spec((2, 128, 8, 28, 28), (128, 128, 3, 3, 3), padding=1), "per_sample"),  # batch 2
+    # the edges of each rule
+    (_spec((8, 64, 28, 28), (64, 64, 2, 2), stride=2), "taps"),  # k = s: windows tile x exactly
+    (_spec((8, 64, 28, 28), (64, 64, 3, 2), stride=(3, 2)), "taps"),  # taps = prod(stride) per dim product
+    (_spec((8, 64, 28, 28), (64, 64, 3, 3), stride=2, padding=1), "kernel"),  # 9 taps > 4: windows overlap
+    (_spec((2, 6, 5, 9, 8), (6, 1, 3, 3, 3), stride=(1, 2, 2), padding=1, groups=6), "phases"),  # X3D-like
+    (_spec((2, 6, 5, 9, 8), (6, 1, 3, 3, 3), stride=(1, 2, 2), padding=2, dilation=2, groups=6), "per_sample"),
+    (_spec((2, 6, 5, 9, 8), (6, 1, 3, 3, 3), padding=1, groups=6), "per_sample"),  # stride 1: no phases
+    (_spec((2, 6, 9, 8), (6, 1, 3, 3), stride=2, padding=1, groups=6), "per_sample"),  # 2d: phases lose
+    (_spec((8, 12, 5, 9, 8), (12, 6, 3, 3, 3), stride=2, padding=1, groups=2), "kernel"),  # 6 channels per group
+    (_spec((8, 12, 9, 9), (12, 3, 3, 3), padding=1, groups=4), "per_sample"),  # 3 input channels per group
+    (_spec((8, 16, 9, 9), (12, 4, 3, 3), padding=1, groups=4), "kernel"),  # 4 per group
+    (_spec((8, 64, 33, 33), (64, 64, 3, 3), padding=2, dilation=2), "blocks"),  # dilation 2 is enough
+    (_spec((8, 64, 33, 33), (64, 64, 3, 3), stride=(1, 2), padding=2, dilation=2), "kernel"),  # strided: no blocks
+    (_spec((3, 64, 28, 28), (64, 64, 3, 3), padding=1), "kernel"),  # batch 3 > PER_SAMPLE_MAX_BATCH
+    (_spec((2, 64, 28, 28), (64, 64, 3, 3), padding=1), "per_sample"),  # batch 2
 ], ids=lambda v: v if isinstance(v, str) else v.describe())
 def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str) -> None:
     assert plan_weight_grad(spec).method == method
@@ -87,10 +102,20 @@ def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str)
     (_spec((8, 64, 56, 56), (64, 64, 3, 3), padding=1), torch.float64, "taps"),
     (_spec((16, 144, 56, 56), (144, 1, 3, 3), padding=1, groups=144), torch.float32, None),  # oneDNN: the rules
     (_spec((4, 1, 16000), (512, 1, 10), stride=5), torch.float64, None),  # one input channel
+    (_spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1), torch.float32, None),  # oneDNN, however small
+    (_spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1), torch.bfloat16, None),
+    (_spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1), torch.float16, "taps"),
+    (_spec((8, 256, 56, 56), (256, 256, 3, 3), padding=1), torch.float64, None),  # 58M folded > TAPS_MAX_ELEMENTS
 ], ids=str)
 def test_non_onednn_dtypes_fold_the_taps_for_grad_weight(spec: ConvSpec, dtype: torch.dtype,
                                                           method: str | None) -> None:
     assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=dtype)) == method
+
+
+def test_the_im2col_rule_is_for_the_cpu_only() -> None:
+    spec = _spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1)
+    assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=torch.float64)) == "taps"
+    assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=torch.float64, device="meta")) is None
 
 
 def test_depthwise_one_tap_phase_is_a_per_channel_scale() -> None:
@@ -166,7 +191,9 @@ def test_batch_chunks_match_autograd_and_the_whole_batch(case: Case, dtype: torc
     assert chunks[3:] == [5] and torch.equal(chunked, whole)
 
 
-def test_batch_chunks_keep_double_backward_and_batch_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fast_mode", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_batch_chunks_keep_double_backward_and_batch_zero(monkeypatch: pytest.MonkeyPatch, fast_mode: bool) -> None:
+    """gradcheck's fast mode (a random projection of the Jacobian) in the fast tier, the whole Jacobian in the slow."""
     monkeypatch.setattr(fwdconv_phases, "CHUNK_BYTES", 1)  # one sample per chunk
     case = CHUNKED_CASES[0]
     gy = make_tensors(case)["grad_output"][:2].requires_grad_()
@@ -176,7 +203,8 @@ def test_batch_chunks_keep_double_backward_and_batch_zero(monkeypatch: pytest.Mo
         shape = (gy.shape[0], *case.input_shape[1:])
         return cg.conv_input_grad(shape, w, gy, stride=2, padding=1, groups=6, backend="fwdconv")
 
-    assert torch.autograd.gradcheck(input_grad, (gy, w)) and torch.autograd.gradgradcheck(input_grad, (gy, w))
+    assert torch.autograd.gradcheck(input_grad, (gy, w), fast_mode=fast_mode)
+    assert torch.autograd.gradgradcheck(input_grad, (gy, w), fast_mode=fast_mode)
     empty = input_grad(gy[:0].detach(), w.detach())
     assert empty.shape == (0, *case.input_shape[1:])
 
@@ -217,12 +245,15 @@ def test_paired_phases_under_vmap_jacrev_and_forward_ad() -> None:
     assert torch.allclose(batched, torch.stack([input_grad(gy), input_grad(t)]))
 
 
-@pytest.mark.parametrize("case", [*PHASE_CASES, *random_cases(12, seed=44)], ids=str)
+def _forward(cases: list[Case]) -> list[Case]:
+    """The forward convolutions: a transposed one's grad_input is a forward conv itself (no phases, no methods)."""
+    return [c for c in cases if not c.transposed]
+
+
+@pytest.mark.parametrize("case", _forward([*PHASE_CASES, *random_cases(12, seed=44)]), ids=str)
 def test_phase_taps_are_exactly_the_taps_that_reach_each_row(case: Case) -> None:
     """Brute force: row u of x gets tap t from output j exactly when u + p_lo = j*s + t*d with 0 <= j < o."""
     spec = case.spec()
-    if spec.transposed:
-        return
     for dim, phases in enumerate(spec.phases):
         i, k, s, d, (lo, _), o = (spec.x_size[dim], spec.kernel_size[dim], spec.stride[dim], spec.dilation[dim],
                                   spec.padding[dim], spec.y_size[dim])
@@ -242,22 +273,29 @@ def _forced_cases() -> list[Case]:
     return [*PHASE_CASES, *grid_cases()]
 
 
-@pytest.mark.parametrize("method", INPUT_METHODS)
-@pytest.mark.parametrize("case", _forced_cases(), ids=str)
+def _input_method_cases(serves: bool) -> list[Any]:
+    """(case, method) for every forward case and input formulation that serves it (or, serves=False, refuses it:
+    sub-pixel needs every phase at dilation 1)."""
+    return [pytest.param(c, m, id=f"{c}-{m}") for c in _forward(_forced_cases()) for m in INPUT_METHODS
+            if (m != "subpixel" or c.spec().subpixel_taps is not None) is serves]
+
+
+@pytest.mark.parametrize(("case", "method"), _input_method_cases(serves=True))
 def test_every_input_formulation_matches_autograd(case: Case, method: str) -> None:
     spec = case.spec()
-    if spec.transposed:  # its grad_input is the forward conv itself; no formulations to choose from
-        return
-    try:
-        plan = plan_input_grad(spec, method)
-    except ValueError:
-        assert method == "subpixel" and spec.subpixel_taps is None
-        return
+    plan = plan_input_grad(spec, method)
+    assert plan.method == ("direct" if method == "zero_insert" and max(spec.stride) == 1 else method)  # no zeros
     t = make_tensors(case)
     gy = t["grad_output"].unsqueeze(0) if spec.unbatched else t["grad_output"]
     gi = execute(plan, gy, t["weight"])
     gi = gi.squeeze(0) if spec.unbatched else gi
     assert_matches_autograd({"grad_input": gi}, reference_grads(case, t), torch.float64, f"{method} {case}")
+
+
+@pytest.mark.parametrize(("case", "method"), _input_method_cases(serves=False))
+def test_an_input_formulation_that_cannot_serve_is_refused(case: Case, method: str) -> None:
+    with pytest.raises(ValueError, match=f"method={method!r}"):
+        plan_input_grad(case.spec(), method)
 
 
 def _refuses(method: str, spec: Any) -> bool:
@@ -266,15 +304,23 @@ def _refuses(method: str, spec: Any) -> bool:
         method == "phases" and any(d > 1 for d in spec.dilation))
 
 
-@pytest.mark.parametrize("method", WEIGHT_METHODS)
-@pytest.mark.parametrize("case", _forced_cases(), ids=str)
+def _weight_method_cases(serves: bool) -> list[Any]:
+    """(case, method) for every case and weight formulation that serves it (or, serves=False, refuses it)."""
+    return [pytest.param(c, m, id=f"{c}-{m}") for c in _forced_cases() for m in WEIGHT_METHODS
+            if (not _refuses(m, c.spec())) is serves]
+
+
+@pytest.mark.parametrize(("case", "method"), _weight_method_cases(serves=False))
+def test_a_weight_formulation_that_cannot_serve_is_refused(case: Case, method: str) -> None:
+    with pytest.raises(ValueError, match=f"method={method!r}"):
+        plan_weight_grad(case.spec(), method)
+
+
+@pytest.mark.parametrize(("case", "method"), _weight_method_cases(serves=True))
 def test_every_weight_formulation_matches_autograd(case: Case, method: str) -> None:
     spec = case.spec()
-    try:
-        plan = plan_weight_grad(spec, method)
-    except ValueError:
-        assert _refuses(method, spec)
-        return
+    plan = plan_weight_grad(spec, method)
+    assert plan.method == ("empty" if spec.batch == 0 else method)
     t = make_tensors(case)
     x, gy = t["input"], t["grad_output"]
     if spec.unbatched:

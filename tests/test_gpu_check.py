@@ -46,6 +46,7 @@ def test_each_bench_pattern_names_layers_of_the_suite() -> None:
     assert patterns and all(fnmatch.filter(names, pattern) for pattern in patterns), (patterns, names)
 
 
+@pytest.mark.slow  # runs the script: fresh interpreters
 def test_without_cuda_it_stops_with_one_clear_line(tmp_path: Path) -> None:
     done = _run("--out", str(tmp_path / "out"), CUDA_VISIBLE_DEVICES="")
     assert done.returncode == 2
@@ -57,6 +58,7 @@ def test_without_cuda_it_stops_with_one_clear_line(tmp_path: Path) -> None:
                                                          "--dry-run)"
 
 
+@pytest.mark.slow  # runs the script: fresh interpreters
 def test_the_per_sample_step_runs_on_the_cpu(tmp_path: Path) -> None:
     """The same code the GPU step runs, tiny: it still finds per_sample.py's models and contenders."""
     import importlib.util

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -17,6 +19,7 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
                           env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"})
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_the_library_never_imports_the_commands() -> None:
     proc = _python("""
         import importlib, pathlib, sys
@@ -33,6 +36,7 @@ def test_the_library_never_imports_the_commands() -> None:
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_old_import_paths_of_check_and_bench_still_work() -> None:
     proc = _python("""
         from convgrad.check import check_config, check_gradients, check_model, check_random, error_bound

@@ -19,7 +19,7 @@ import torch.nn.grad
 
 import convgrad as cg
 from convgrad.backends import get_backend
-from helpers import TOL, Case, backend_accepts, grid_cases, make_tensors, reference_grads
+from helpers import DELEGATING, TOL, Case, backend_accepts, grid_backends, grid_cases, make_tensors, reference_grads
 
 BACKENDS = cg.backends()
 CASES = grid_cases()
@@ -146,7 +146,7 @@ def memory_format_problems(case: Case, backend: str, dtype: torch.dtype, device:
     return problems
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", grid_backends(BACKENDS))
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_gradients_have_torchs_memory_format(case: Case, backend: str, device: torch.device) -> None:
     if not backend_accepts(backend, torch.float64, device):
@@ -157,8 +157,9 @@ def test_gradients_have_torchs_memory_format(case: Case, backend: str, device: t
 
 # float32 takes other kernels than float64 in torch (oneDNN on the CPU), and so other layouts; torch builds
 # complex convolutions from real ones, whose gradients come out contiguous whatever the layouts
-OTHER_DTYPES = [(torch.float32, b) for b in BACKENDS] + [
-    (torch.complex128, b) for b in BACKENDS if get_backend(b).supports_complex]
+OTHER_DTYPES = [pytest.param(dt, b, marks=[pytest.mark.slow] if b in DELEGATING else [])
+                for dt, b in [(torch.float32, b) for b in BACKENDS] + [
+                    (torch.complex128, b) for b in BACKENDS if get_backend(b).supports_complex]]
 
 
 @pytest.mark.parametrize(("dtype", "backend"), OTHER_DTYPES, ids=lambda v: str(v).removeprefix("torch."))
@@ -174,7 +175,7 @@ def test_gradients_have_torchs_memory_format_in_other_dtypes(case: Case, dtype: 
 NN_GRAD_CASES = [c for c in CASES if not c.transposed and c.spec().is_symmetric and not c.spec().unbatched]
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "auto"])
+@pytest.mark.parametrize("backend", grid_backends([b for b in BACKENDS if b != "auto"]))
 @pytest.mark.parametrize("case", NN_GRAD_CASES, ids=str)
 def test_torch_nn_grad_names_have_torchs_memory_format(case: Case, backend: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,6 +270,7 @@ def test_suggested_format_is_torchs() -> None:
     assert tried == {torch.contiguous_format, torch.channels_last, torch.channels_last_3d}
 
 
+@pytest.mark.slow  # torch.compile
 def test_layouts_under_torch_compile() -> None:
     """While dynamo traces the backward, torch's kernel choice cannot be asked for: the meta kernel's rule
     lays the gradients out (channels_last when the input or the weight is)."""

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import convgrad as cg
-from convgrad.backends.fwdconv import Flip, Pad, ZeroInsert, plan_input_grad
+from convgrad.backends.fwdconv import Flip, SwapGroupChannels, ZeroInsert, execute, plan_input_grad
 
 
 def _torch_grads(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, **kw: int) -> tuple[torch.Tensor, ...]:
@@ -31,18 +31,19 @@ def test_seed_backward_with_forward_functions(name: str, size: int, kw: dict) ->
 
 
 def test_seed_strided_plan_is_the_seeds_recipe() -> None:
-    """The strided seed: zero-insert 2x2 -> 3x3, pad by 2 (d(k-1) - p) on each side, flipped kernel."""
+    """The strided seed: zero-insert 2x2 -> 3x3, pad by 2 (d(k-1) - p) on each side, flipped kernel.
+
+    The rules pick sub-pixel for this spec, so the seed's formulation is forced; its result is checked too."""
     spec = cg.ConvSpec.from_shapes((1, 1, 5, 5), (1, 1, 3, 3), stride=2)
-    plan = plan_input_grad(spec)
-    kinds = [type(s) for s in plan.data_steps] + [type(s) for s in plan.kernel_steps]
-    if ZeroInsert in kinds:  # the plain formulation; the polyphase one avoids the zeros entirely
-        assert plan.data_steps[0].shape == (1, 1, 3, 3)
-        assert any(isinstance(s, Pad) and s.pads == ((2, 2), (2, 2)) for s in plan.data_steps) or \
-            plan.conv.padding == (2, 2)
-        assert Flip in kinds
-    else:
-        described = " ".join(step.describe() for step in (*plan.data_steps, *plan.kernel_steps, *plan.post_steps))
-        assert "phase" in described, described
+    plan = plan_input_grad(spec, "zero_insert")
+    assert plan.method == "zero_insert"
+    assert [type(s) for s in plan.data_steps] == [ZeroInsert] and plan.data_steps[0].shape == (1, 1, 3, 3)
+    assert plan.conv.padding == (2, 2) and plan.conv.stride == (1, 1)  # the pad of 2 lies in the conv: (3+4-3)+1 = 5
+    assert [type(s) for s in plan.kernel_steps] == [Flip, SwapGroupChannels] and plan.post_steps == ()
+    torch.manual_seed(0)
+    w, grad = torch.randn(1, 1, 3, 3), torch.randn(1, 1, 2, 2)
+    gx, _ = _torch_grads(torch.randn(1, 1, 5, 5), w, grad, stride=2)
+    torch.testing.assert_close(execute(plan, grad, w), gx)
 
 
 class GradBatchConv2dFunction(torch.autograd.Function):

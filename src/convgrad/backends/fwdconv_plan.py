@@ -27,7 +27,8 @@ Shape = tuple[int, ...]
 class Step(Protocol):
     """One plain tensor operation of a plan: applied by calling it, described by describe()."""
 
-    shape: Shape  # the tensor's shape after this step
+    @property
+    def shape(self) -> Shape: ...  # the tensor's shape after this step (read-only: steps are frozen)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor: ...
 

@@ -34,7 +34,8 @@ __all__ = ["BatchIntoGroups", "Contraction", "DepthwiseTaps", "FoldTaps", "MatMu
 class Contraction(Protocol):
     """The one multiply-accumulate of a plan: called with (data, kernel)."""
 
-    shape: Shape
+    @property
+    def shape(self) -> Shape: ...  # read-only: contractions are frozen
 
     def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor: ...
 
