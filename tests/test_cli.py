@@ -140,7 +140,7 @@ def test_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
         proc = _convgrad(*argv, stdout=write)
     finally:
         os.close(write)
-    assert proc.stderr == "" and proc.returncode == 1
+    assert proc.stderr == "" and proc.returncode == cli.CLOSED_PIPE
 
 
 def test_head_in_a_shell_pipeline_ends_quietly() -> None:
