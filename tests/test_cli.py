@@ -189,7 +189,7 @@ def test_a_closed_pipe_ends_quietly(argv: list[str]) -> None:
                 pipe.close()  # what the command left in the buffer cannot be written either
     finally:
         os.close(write)
-    assert proc.stderr == "" and proc.returncode == 1
+    assert proc.stderr == "" and proc.returncode == cli.CLOSED_PIPE
 
 
 @pytest.mark.slow

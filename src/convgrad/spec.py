@@ -623,9 +623,10 @@ class ConvSpec:
         )
 
     def describe(self) -> str:
-        """One line: the configuration in torch's argument names."""
+        """One line: the configuration in torch's argument names; an unbatched input as given, (C_in, *spatial)."""
         kind = "conv_transpose" if self.transposed else "conv"
-        parts = [f"{kind}{self.n}d input={self.input_shape} weight={self.weight_shape}"]
+        given = f"{self.input_shape[1:]} (unbatched)" if self.unbatched else f"{self.input_shape}"
+        parts = [f"{kind}{self.n}d input={given} weight={self.weight_shape}"]
         for name, value, default in (
             ("stride", self.stride, (1,) * self.n),
             ("padding", self.padding, ((0, 0),) * self.n),

@@ -4,18 +4,24 @@ Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``. 
 user can cause ends here as one line on stderr and exit status 2, never a traceback: a
 ValueError or TypeError from the library, a path that cannot be written (OSError), a
 ``--device`` this machine does not have, sizes too large for its memory. A closed pipe (``convgrad ... | head``) ends
-quietly, as the Python documentation advises for SIGPIPE.
+quietly, as the Python documentation advises for SIGPIPE, with status 141 (128 + SIGPIPE): what a shell reports for
+a program that a closed pipe stops (``yes | head``), so ``set -o pipefail`` sees it as such and never as 1, which
+``convgrad check`` and ``convgrad demo`` return for a gradient out of tolerance.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
+
+CLOSED_PIPE = 141  # 128 + SIGPIPE (13): the status a shell gives a program that a closed pipe ends
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -73,6 +79,35 @@ def add_conv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-padding", type=parse_ints, default=0, help="transposed only (default 0)")
 
 
+_SPATIAL = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
+
+
+def read_as(input_size: Sequence[int], weight_size: Sequence[int], option: str = "--input") -> str:
+    """How an input size typed on the command line is read against the weight, entry by entry:
+    "--input 3,9,9 is read as unbatched (C_in, H, W): C_in=3 is its entry 1" ("" when the dims cannot match)."""
+    n = len(weight_size) - 2
+    if n not in _SPATIAL or len(input_size) not in (n + 1, n + 2):
+        return ""
+    unbatched = len(input_size) == n + 1
+    names = ("C_in", *_SPATIAL[n]) if unbatched else ("N", "C_in", *_SPATIAL[n])
+    where = names.index("C_in")
+    return (f"{option} {','.join(map(str, input_size))} is read as {'unbatched ' if unbatched else ''}"
+            f"({', '.join(names)}): C_in={input_size[where]} is its entry {where + 1}")
+
+
+@contextlib.contextmanager
+def shapes_as_typed(input_size: Sequence[int], weight_size: Sequence[int], option: str = "--input") -> Iterator[None]:
+    """Add to a ValueError about the shapes how the input size was read (which entry is C_in), einops's habit of
+    re-raising with the context the user knows."""
+    try:
+        yield
+    except ValueError as err:
+        context = read_as(input_size, weight_size, option)
+        if not context:
+            raise
+        raise ValueError(f"{' '.join(str(err).split())} ({context})") from None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with a bad argument reported as every other user error: one line on stderr, exit 2 (argparse
     would print the whole usage first; ``--help`` still shows it). The commands' parsers are of this class too."""
@@ -82,7 +117,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from convgrad import __version__
+
     parser = _Parser(prog="convgrad", description="The backward pass of convolution, explicit.")
+    parser.add_argument("--version", action="version", version=f"convgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         try:
@@ -125,6 +163,26 @@ def _one_line(command: str, err: BaseException) -> str:
     return f"convgrad {command}: error: {message}"
 
 
+@functools.cache
+def _console_class() -> type:
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        """rich's Console, except that a closed pipe reaches main() as BrokenPipeError: rich's own handler exits
+        with status 1, which check and demo return for a gradient out of tolerance."""
+
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return PipeConsole
+
+
+def console(**kwargs: Any) -> Any:
+    """The rich Console of every command (needs the demo extras)."""
+    return _console_class()(**kwargs)
+
+
 def _quiet_stdout() -> None:
     """After a closed pipe: point stdout at devnull, so that the flush at exit does not fail again."""
     try:
@@ -144,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         _quiet_stdout()
-        return 1
+        return CLOSED_PIPE
     except KeyboardInterrupt:
         print(f"convgrad {args.command}: interrupted", file=sys.stderr)
         return 130

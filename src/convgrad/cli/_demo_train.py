@@ -132,7 +132,7 @@ def train(backend: str, epochs: int, seed: int, max_steps: int | None, console: 
 
     Returns:
         dict with losses (per step), diffs (layer -> per-step relative difference), accuracy (held-out),
-        steps, layers (layer -> config and what it exercises), train_images and test_images.
+        steps (run), steps_per_epoch, layers (layer -> config and what it exercises), train_images and test_images.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -174,5 +174,6 @@ def train(backend: str, epochs: int, seed: int, max_steps: int | None, console: 
     specs = layer_specs(net, x_test[:1])
     layers = {name: {"config": _compact(spec), "spec": spec.describe(), "unread_input_rows": spec.unread_input_rows,
                      "exercises": EXERCISES[name]} for name, spec in specs.items()}
-    return {"losses": losses, "diffs": diffs, "accuracy": accuracy, "steps": len(losses), "layers": layers,
+    return {"losses": losses, "diffs": diffs, "accuracy": accuracy, "steps": len(losses),
+            "steps_per_epoch": per_epoch, "layers": layers,
             "train_images": len(y_train), "test_images": len(y_test)}

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from convgrad.cli import console as cli_console
+
 THRESHOLD = 1e-4  # float32: ~1e-7 per op, summed over a few thousand terms per gradient entry
 
 __all__ = ["THRESHOLD", "add_arguments", "run"]
@@ -41,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train, compare, report; 0 if every layer's gradients agree within THRESHOLD, else 1."""
     try:
-        from rich.console import Console
+        import rich.console  # noqa: F401 (the demo extras are installed)
     except ModuleNotFoundError as err:
         print(f"convgrad demo: needs the demo extras ({err.name} is missing): pip install 'convgrad[demo]'",
               file=sys.stderr)
@@ -57,8 +59,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"convgrad demo: --{name}={getattr(args, name)} must be positive")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"convgrad demo: --steps={args.steps} must be positive")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"convgrad demo: --out={args.out} is an existing file, not a folder; --out names the folder "
+                         f"that gets training.png and summary.json (give a new or existing folder)")
     args.out.mkdir(parents=True, exist_ok=True)  # an unwritable --out fails now, not after the training
-    console = Console()
+    console = cli_console()
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -83,7 +88,10 @@ def _summary(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]
         for name, layer in result["layers"].items()
     }
     return {
-        "backend": args.backend, "epochs": args.epochs, "seed": args.seed, "steps": result["steps"],
+        # what ran, not what was asked: --steps may stop the training inside its first epoch
+        "backend": args.backend, "epochs": round(result["steps"] / result["steps_per_epoch"], 3),
+        "epochs_requested": args.epochs, "steps": result["steps"], "steps_requested": args.steps,
+        "steps_per_epoch": result["steps_per_epoch"], "seed": args.seed,
         "threads": args.threads, "torch": torch.__version__, "dtype": "float32", "threshold": THRESHOLD,
         "train_images": result["train_images"], "test_images": result["test_images"],
         "final_loss": result["losses"][-1], "test_accuracy": result["accuracy"],

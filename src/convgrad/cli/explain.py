@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
-from convgrad.cli import add_conv_arguments, parse_shape
+from convgrad.cli import add_conv_arguments, parse_shape, shapes_as_typed
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "check_outputs", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,17 +64,62 @@ def _pairs(padding: Any, n: int) -> Any:
     return padding
 
 
+def _suffixes(option: str) -> tuple[str, ...]:
+    """The file types each output option writes, by suffix."""
+    if option == "plot":
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        known = [f".{ext}" for ext in FigureCanvasAgg.get_supported_filetypes()]
+        first = (".png", ".svg", ".pdf")
+        return (*first, *sorted(ext for ext in known if ext not in first))
+    if option == "animate":
+        from convgrad.explain.animation import SUFFIXES
+
+        return SUFFIXES
+    return (".html", ".htm")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything is computed or printed, an output path that would not be written as given: one with
+    no extension or an unknown one (matplotlib would add .png to the first), a folder, a folder that does not exist,
+    a place this user cannot write, and an .mp4 without ffmpeg."""
+    for option in ("plot", "animate", "html"):
+        value = getattr(args, option)
+        if value is None:
+            continue
+        path, suffixes = Path(value), _suffixes(option)
+        if path.is_dir():
+            example = path / f"recipe{suffixes[0]}"
+            raise ValueError(f"--{option}={value} is a folder; give a file in it, e.g. {example}")
+        if path.suffix.lower() not in suffixes:
+            what = f"has the extension {path.suffix!r}, which it cannot write" if path.suffix else "has no extension"
+            raise ValueError(f"--{option}={value} {what}; end it in one of {', '.join(suffixes)}")
+        if option == "animate" and path.suffix.lower() == ".mp4":
+            from matplotlib import animation
+
+            if not animation.writers.is_available("ffmpeg"):
+                raise ValueError(f"--animate={value} needs ffmpeg, which is not installed; write a .gif, .webp or "
+                                 ".html instead")
+        existed = path.exists()
+        with open(path, "ab"):  # OSError with the path: a missing folder, a file in the way, no permission
+            pass
+        if not existed:
+            path.unlink()
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the recipe and the native choice (or the script with --code); save the figure with --plot, the
     animation with --animate, the page with --html."""
     import convgrad
 
-    dtype = _dtype(args.dtype)  # a bad --dtype is refused before anything is printed or written
+    dtype = _dtype(args.dtype)  # a bad --dtype or output path is refused before anything is printed or written
+    check_outputs(args)
     padding = _pairs(args.padding, len(args.weight) - 2)
     hyper = dict(stride=args.stride, padding=padding, dilation=args.dilation, transposed=args.transposed,
                  output_padding=args.output_padding, groups=args.groups)
-    recipe = convgrad.explain(args.input, args.weight, **hyper, method=args.method, input_method=args.input_method,
-                              weight_method=args.weight_method)
+    with shapes_as_typed(args.input, args.weight):
+        recipe = convgrad.explain(args.input, args.weight, **hyper, method=args.method,
+                                  input_method=args.input_method, weight_method=args.weight_method)
     if args.code:
         print(recipe.to_python(), end="")
     else:
@@ -84,9 +130,7 @@ def run(args: argparse.Namespace) -> int:
         recipe.plot(args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.animate:
-        recipe.animate(args.animate, max_frames=args.max_frames)
-        print(f"wrote {args.animate}", file=sys.stderr)
+        print(f"wrote {recipe.animate(args.animate, max_frames=args.max_frames)}", file=sys.stderr)
     if args.html:
-        recipe.to_html(args.html, max_frames=args.max_frames)
-        print(f"wrote {args.html}", file=sys.stderr)
+        print(f"wrote {recipe.to_html(args.html, max_frames=args.max_frames)}", file=sys.stderr)
     return 0

@@ -22,13 +22,18 @@ from convgrad.backends.fwdconv_steps import Spatially
 from convgrad.explain.frames import Frame, Index, Scene
 from convgrad.explain.symbols import used_symbols
 
-__all__ = ["DPI", "FILLS", "GROUP_COLOURS", "HATCHES", "MIN_CELL_PX", "OKABE_ITO", "PHASES", "WIDTH_PX", "Layout",
+__all__ = ["DPI", "FILLS", "GROUP_COLOURS", "HATCHES", "LEGEND", "LEGEND_CHAR_PX", "LEGEND_LINE_PX",
+           "MIN_CELL_PX", "OKABE_ITO", "PHASES", "WIDTH_PX", "Layout",
            "Panel", "Window", "caption", "frames_needed", "layout", "legend_rows", "select", "values"]
 
 WIDTH_PX, DPI = 800, 100
 MIN_CELL_PX, MAX_CELL_PX = 20, 36
 MARGIN = 14  # px
 FONT, SMALL = 9, 7  # points: 12.5 px and 9.7 px at 100 dpi
+# The legend, caption and channel labels: 11.8 px, still 10.8 px where the docs site shows the 800 px figure
+# 733 px wide (its content column at a 1280 px window; tests/test_docs_layout.py measures it).
+LEGEND = 8.5
+LEGEND_CHAR_PX, CAPTION_CHARS, LEGEND_LINE_PX = 7.0, 104, 17
 
 OKABE_ITO = {"orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73", "yellow": "#F0E442", "blue": "#0072B2",
              "vermillion": "#D55E00", "purple": "#CC79A7", "black": "#000000"}
@@ -253,9 +258,9 @@ def layout(scene: Scene, budget: int) -> Layout:
     lay.rows["sum"] = y
     y += 16
     lay.rows["caption"] = y
-    y += 14 * len(caption(lay)) + 6
+    y += LEGEND_LINE_PX * len(caption(lay)) + 6
     lay.rows["legend"] = y
-    y += 15 * len(legend_rows(lay)) + MARGIN
+    y += LEGEND_LINE_PX * len(legend_rows(lay)) + MARGIN
     lay.height = y
     return lay
 
@@ -366,7 +371,7 @@ def legend_rows(lay: Layout) -> list[list[tuple[str, str, str]]]:
     entries.append(("none", "", "blue outline, letter: a cell read for the black-framed cell, and the tap it meets"))
     rows, row, width = [], [], 0
     for e in entries:
-        w = 24 + 6.2 * len(e[2]) + 14
+        w = 24 + LEGEND_CHAR_PX * len(e[2]) + 14
         if row and width + w > WIDTH_PX - 2 * MARGIN:
             rows.append(row)
             row, width = [], 0
@@ -385,7 +390,7 @@ def caption(lay: Layout) -> list[str]:
     words = " ".join([title(lay.scene), data_steps(lay.scene), *(["phase rho"] if any(f.phase for f in lay.frames)
                                                                   else [])])
     parts += [f"{name}: {definition}" for name, definition in used_symbols(words)]
-    return textwrap.wrap(". ".join(parts), 118)
+    return textwrap.wrap(". ".join(parts), CAPTION_CHARS)
 
 
 def title(scene: Scene) -> str:

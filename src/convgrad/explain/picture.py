@@ -36,10 +36,14 @@ def key_frames(lay: render.Layout) -> list[Frame]:
     return [max(frames, key=lambda f: len(f.claims()))]
 
 
-def plot(recipe: Recipe, path: str | Path | None = None) -> Figure:
+def plot(recipe: Recipe, path: str | Path | None = None,
+         gradients: tuple[str, ...] = ("grad_input", "grad_weight")) -> Figure:
     """The figure of Recipe.plot; saved to ``path`` when given."""
+    if not gradients or any(g not in ("grad_input", "grad_weight") for g in gradients):
+        raise ValueError(f"Recipe.plot: gradients={gradients!r} must be a non-empty selection of "
+                         f"('grad_input', 'grad_weight')")
     blocks = []
-    for gradient in ("grad_input", "grad_weight"):
+    for gradient in gradients:
         lay = render.layout(recipe.scene(gradient), 120)
         keys = key_frames(lay)
         phases = {f.phase for f in lay.frames if f.phase is not None}
@@ -50,7 +54,8 @@ def plot(recipe: Recipe, path: str | Path | None = None) -> Figure:
     top = 0.0
     for lay, frame in blocks:  # each block's legend lists its own frame's kernel cells, every result cell done
         block = dataclasses.replace(lay, frames=[frame])
-        render.draw(block, frame, render.values(lay.scene), lay.frames, fig=fig, top=top)
+        done = [f for f in lay.frames if f.channel == frame.channel and f is not frame]  # others would overprint it
+        render.draw(block, frame, render.values(lay.scene), done, fig=fig, top=top)
         top += lay.height
     if path is not None:
         fig.savefig(Path(path), dpi=render.DPI)

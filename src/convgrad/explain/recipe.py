@@ -223,7 +223,8 @@ class Recipe:
 
         return script(self)
 
-    def plot(self, path: str | Path | None = None) -> Figure:
+    def plot(self, path: str | Path | None = None,
+             gradients: Sequence[str] = ("grad_input", "grad_weight")) -> Figure:
         """Draw the recipe's key frames: for grad_input and grad_weight, the grid each plan convolves with its kernel.
 
         Drawn from the plans' own steps: zero-insertion draws the inserted zeros, polyphase and sub-pixel one
@@ -232,9 +233,13 @@ class Recipe:
 
         Args:
             path: where to save the figure (any format matplotlib knows from the suffix); None to only return it.
+            gradients: the computations drawn, a selection of ``("grad_input", "grad_weight")`` (default both).
 
         Returns:
             The matplotlib Figure (Agg canvas, no display needed), 800 px wide.
+
+        Raises:
+            ValueError: an empty or unknown selection of gradients.
 
         Examples:
             >>> import convgrad as cg
@@ -244,7 +249,7 @@ class Recipe:
         """
         from convgrad.explain.picture import plot
 
-        return plot(self, path)
+        return plot(self, path, tuple(gradients))
 
     def animate(self, path: str | Path, gradients: Sequence[str] = ("forward", "grad_input", "grad_weight"),
                 max_frames: int = 120, fps: float = 1.5) -> Path:

@@ -30,6 +30,9 @@ from convgrad.explain.layout import (
     FOOTPRINT,
     GROUP_COLOURS,
     HATCHES,
+    LEGEND,
+    LEGEND_CHAR_PX,
+    LEGEND_LINE_PX,
     MARGIN,
     OKABE_ITO,
     PHASES,
@@ -63,6 +66,14 @@ __all__ = ["DPI", "FILLS", "GROUP_COLOURS", "OKABE_ITO", "PHASES", "WIDTH_PX", "
 
 def _rect(ax: Axes, x: float, y: float, w: float, h: float, **kw: Any) -> Rectangle:
     return ax.add_patch(Rectangle((x, y), w, h, **kw))  # type: ignore[return-value]
+
+
+LINE_CHARS = 108  # characters of FONT text in the 772 px between the margins (about 6.7 px each; wider ran off)
+
+
+def _fit(line: str) -> str:
+    """A one-line text of FONT size, cut with an ellipsis where it would run past the figure's right edge."""
+    return line if len(line) <= LINE_CHARS else line[:LINE_CHARS - 1] + "…"
 
 
 def _text(ax: Axes, x: float, y: float, s: str, size: float = FONT, **kw: Any) -> Any:
@@ -99,7 +110,7 @@ def background(fig: Figure, lay: Layout, t: dict[str, Any], top: float = 0.0) ->
     ax.patch.set_visible(False)  # blocks stacked in one figure each have an axes over the whole of it
     sc = lay.scene
     _text(ax, MARGIN, lay.rows["title"], title(sc), 11, va="top", weight="bold")
-    _text(ax, MARGIN, lay.rows["title"] + 19, data_steps(sc)[:118], FONT, va="top", color="#333333")
+    _text(ax, MARGIN, lay.rows["title"] + 19, _fit(data_steps(sc)), FONT, va="top", color="#333333")
     data_channel = lay.frames[0].channels[0][0]
     never = never_read(lay)
     for panel in (lay.data, lay.kernel, lay.result):
@@ -121,11 +132,11 @@ def background(fig: Figure, lay: Layout, t: dict[str, Any], top: float = 0.0) ->
         _phase_bar(ax, lay, pos, cells)
     if "channels" in lay.rows:
         y = lay.rows["channels"]
-        _text(ax, MARGIN, y, f"channels of {sc.data} (colour: group; outlined: the ones summed)", SMALL + 0.5, va="top")
-        _text(ax, WIDTH_PX / 2, y, f"channels of {sc.result} (outlined: this one)", SMALL + 0.5, va="top")
+        _text(ax, MARGIN, y, f"channels of {sc.data} (colour: group; outlined: summed)", LEGEND, va="top")
+        _text(ax, WIDTH_PX / 2, y, f"channels of {sc.result} (outlined: this one)", LEGEND, va="top")
     _draw_legend(ax, lay)
     for n, line in enumerate(caption(lay)):
-        _text(ax, MARGIN, lay.rows["caption"] + 14 * n, line, SMALL + 0.5, va="top", color="#333333")
+        _text(ax, MARGIN, lay.rows["caption"] + LEGEND_LINE_PX * n, line, LEGEND, va="top", color="#333333")
     return ax
 
 
@@ -138,9 +149,9 @@ def _draw_legend(ax: Axes, lay: Layout) -> None:
                 _rect(ax, x, y, 18, 12, fill=False, edgecolor=FOOTPRINT, linewidth=2.2)
             else:
                 _rect(ax, x, y, 18, 12, facecolor=fill, edgecolor="#888888", linewidth=0.6, hatch=hatch or None)
-            _text(ax, x + 24, y + 6, label, SMALL + 0.5, va="center")
-            x += 24 + 6.2 * len(label) + 14
-        y += 15
+            _text(ax, x + 24, y + 6, label, LEGEND, va="center")
+            x += 24 + LEGEND_CHAR_PX * len(label) + 14
+        y += LEGEND_LINE_PX
 
 
 
@@ -248,8 +259,9 @@ def _frame_text(ax: Axes, lay: Layout, frame: Frame, t: dict[str, Any]) -> list:
         idle = sum(1 for d, k in frame.links if not (Frame.real(d) and Frame.real(k)))
         rest = ("   (1 more product meets padding or zeros)" if idle == 1 else
                 f"   ({idle} more products meet padding or zeros)" if idle else "")
-        line = f"{name} = {body}{more} = {value}{rest}"
-    out.append(_text(ax, MARGIN, lay.rows["sum"], line[:120], FONT, va="top"))
+        line = f"{name} = {body}{more} = {value}"
+        line += rest if len(line + rest) <= LINE_CHARS else ""  # the sum itself stays whole where it can
+    out.append(_text(ax, MARGIN, lay.rows["sum"], _fit(line), FONT, va="top"))
     return out
 
 

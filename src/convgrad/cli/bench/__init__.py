@@ -37,6 +37,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from convgrad.cli import console as cli_console
+
 __all__ = ["DEFAULT_BACKENDS", "add_arguments", "keep_malloc", "run"]
 
 # plus native, always; numpy: too slow
@@ -135,7 +137,6 @@ def _meta(args: argparse.Namespace, device: Any, backends: list[str]) -> dict[st
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and write the reports; 0 on success."""
     try:
-        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     except ModuleNotFoundError as err:
         print(f"convgrad bench: needs the demo extras ({err.name} is missing): pip install 'convgrad[demo]'",
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     meta = _meta(args, device, backends) | {"malloc": malloc}
-    console = Console(quiet=args.quiet)
+    console = cli_console(quiet=args.quiet)
     results = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
@@ -206,6 +207,8 @@ def _print(console: Any, results: list[Any], meta: dict[str, Any]) -> None:
                                  "(x fwd), median over rounds ± IQR")
     for row in body:
         table.add_row(*row)
+    if any(report.SUSPECT_MARK in cell for row in body for cell in row):
+        table.caption = report.SUSPECT_NOTE
     summ = Table(*report.SUMMARY_HEADER, title="geometric means over layers")
     for row in report.summary_rows(results):
         summ.add_row(*row)

@@ -17,10 +17,17 @@ from typing import Any
 
 from convgrad.cli.bench.timing import TASKS, LayerTiming
 
-__all__ = ["FORWARDS_PER_BACKWARD", "SUMMARY_HEADER", "TABLE_HEADER", "geomean", "rows", "summary", "summary_rows",
-           "table_rows", "to_json", "to_markdown", "write_plots"]
+__all__ = ["FORWARDS_PER_BACKWARD", "IMPLAUSIBLE_SPEEDUP", "SUMMARY_HEADER", "SUSPECT_NOTE", "TABLE_HEADER",
+           "backend_colours", "geomean", "rows", "summary", "summary_rows", "suspect_reference", "table_rows",
+           "to_json", "to_markdown", "write_plots"]
 
 FORWARDS_PER_BACKWARD = 2  # grad_input and grad_weight each do one forward's multiply-adds
+# A formulation is built from the same kernels native calls; one running more than 10x faster than native says
+# that native's time is off (page faults, a slow kernel choice on that machine), not that the formulation is.
+IMPLAUSIBLE_SPEEDUP = 10.0
+SUSPECT_MARK = " (!)"
+SUSPECT_NOTE = (f"(!): native's time is implausible (a formulation of the same gradient ran over "
+                f"{IMPLAUSIBLE_SPEEDUP:g}x faster); rerun, or try --malloc keep, before trusting this layer's ratios")
 
 
 def geomean(values: Sequence[float]) -> float:
@@ -52,6 +59,7 @@ def rows(results: list[LayerTiming]) -> list[dict[str, Any]]:
                 "gflops": r.gflops(backend, task), "matmul_fraction": r.matmul_fraction(backend, task),
                 "matmul_ms": r.matmul.median * 1e3, "matmul_size": r.matmul_size,
                 "auto_choice": r.auto_choice.get(task) if backend == "auto" else None,  # both: split = per gradient
+                "suspect_reference": suspect_reference(r, task),
             })
     return out
 
@@ -73,6 +81,11 @@ def summary(results: list[LayerTiming]) -> list[dict[str, Any]]:
                             "worst_layer": worst, "geomean_x_forward": geomean(list(fwd.values())),
                             "max_x_forward": fwd[slowest], "slowest_layer": slowest, "layers": len(ratios)})
     return out
+
+
+def suspect_reference(r: LayerTiming, task: str) -> bool:
+    """Native's time for ``task`` is implausible: some other backend ran more than IMPLAUSIBLE_SPEEDUP x faster."""
+    return any(r.ratio(b, t) * IMPLAUSIBLE_SPEEDUP < 1 for b, t in r.samples if b != "native" and t == task)
 
 
 def to_json(results: list[LayerTiming], meta: dict[str, Any], path: Path) -> None:
@@ -101,10 +114,12 @@ def table_rows(results: list[LayerTiming]) -> tuple[list[str], list[list[str]]]:
     for r in results:
         for backend in _backends([r]):
             choice = r.auto_choice if backend == "auto" else {}
-            grads = [f"{r.median(backend, t) * 1e3:.2f} ({r.ratio(backend, t):.2f}x)" for t in TASKS[:2]]
+            mark = {t: SUSPECT_MARK if backend == "native" and suspect_reference(r, t) else "" for t in TASKS}
+            grads = [f"{r.median(backend, t) * 1e3:.2f}{mark[t]} ({r.ratio(backend, t):.2f}x)" for t in TASKS[:2]]
             body.append([r.layer.name, r.dtype, backend,
                          f"{r.forward.median * 1e3:.2f}" if backend == "native" else "", *grads,
-                         _ms(r, backend, "both"), _times(r.ratio(backend, "both"), r.ratio_iqr(backend, "both")),
+                         _ms(r, backend, "both") + mark["both"],
+                         _times(r.ratio(backend, "both"), r.ratio_iqr(backend, "both")),
                          _times(r.x_forward(backend), r.x_forward_iqr(backend)),
                          f"{r.matmul_fraction(backend, 'both'):.2f}",
                          ", ".join(choice.get(g, "") for g in ("grad_input", "grad_weight", "both")) if choice
@@ -134,6 +149,8 @@ def to_markdown(results: list[LayerTiming], meta: dict[str, Any], path: Path) ->
              f"{FORWARDS_PER_BACKWARD} forwards' multiply-adds).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
+    if any(SUSPECT_MARK in cell for row in body for cell in row):
+        lines += ["", SUSPECT_NOTE]
     lines += ["", "## Geometric means over layers", "", "| " + " | ".join(SUMMARY_HEADER) + " |",
               "|" + "---|" * len(SUMMARY_HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in summary_rows(results)]
@@ -151,16 +168,29 @@ def _figure(n_layers: int, n_bars: int, panels: int) -> tuple[Any, Any]:
     return fig, axes
 
 
+def backend_colours(names: Sequence[str]) -> dict[str, str]:
+    """One colour per backend, the same in every chart of a run (the ratio chart leaves native out, so matplotlib's
+    colour cycle would shift by one): Okabe and Ito's colour-blind-safe palette, then tab10's, in the order of
+    convgrad.backends() and then of ``names``."""
+    import convgrad
+
+    palette = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000",
+               "#8c564b", "#7f7f7f", "#bcbd22", "#17becf"]
+    order = list(dict.fromkeys([*convgrad.backends(), *names]))
+    return {name: palette[i % len(palette)] for i, name in enumerate(order)}
+
+
 def _bars(ax: Any, group: list[LayerTiming], backends: list[str], value: Any) -> None:
     """One bar per (layer, backend), grouped by layer, on a log axis labelled with plain numbers."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
     width = 0.8 / max(1, len(backends))
+    colours = backend_colours(_backends(group))
     values = []
     for j, backend in enumerate(backends):
         xs = [i + (j - (len(backends) - 1) / 2) * width for i in range(len(group))]
         values += [value(r, backend) for r in group]
-        ax.bar(xs, values[-len(group):], width, label=backend)
+        ax.bar(xs, values[-len(group):], width, label=backend, color=colours[backend])
     ax.set_yscale("log")
     low, high = min(min(values), 1.0) / 1.15, max(values) * 1.15
     ax.set_ylim(low, high)

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from convgrad.cli import add_conv_arguments, parse_ints
+from convgrad.cli import add_conv_arguments, parse_ints, shapes_as_typed
+from convgrad.cli import console as cli_console
 from convgrad.cli.check.configs import check_config, check_random
 from convgrad.cli.check.judge import DTYPES, GRADIENTS, Result
 from convgrad.cli.check.model import LayerCheck, check_model
@@ -56,9 +57,7 @@ def _pairs(padding: Any, n: int) -> Any:
 
 
 def _console() -> Any:
-    from rich.console import Console
-
-    console = Console()
+    console = cli_console()
     if not console.is_terminal and "COLUMNS" not in os.environ:  # a file or a pipe: whole rows, not 80 columns
         console.width = 240
     return console
@@ -150,10 +149,11 @@ def _backends(results: list[Result]) -> list[str]:
 def _run_config(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> list[Result]:
     if args.weight is None:
         raise ValueError("check: --input needs --weight, e.g. --input 2,4,9,9 --weight 6,2,3,3")
-    spec, results = check_config(_as_tuple(args.input), _as_tuple(args.weight), args.stride,
-                                 _pairs(args.padding, len(_as_tuple(args.weight)) - 2), args.dilation,
-                                 args.transposed, args.output_padding, args.groups, dtype, args.device,
-                                 args.backend, args.seed)
+    with shapes_as_typed(_as_tuple(args.input), _as_tuple(args.weight)):
+        spec, results = check_config(_as_tuple(args.input), _as_tuple(args.weight), args.stride,
+                                     _pairs(args.padding, len(_as_tuple(args.weight)) - 2), args.dilation,
+                                     args.transposed, args.output_padding, args.groups, dtype, args.device,
+                                     args.backend, args.seed)
     console.print(f"{spec.describe()}, {args.dtype}")
     console.print(_table(("backend", "gradient"), _config_rows(results), ERRORS))
     return results
