@@ -15,8 +15,8 @@ contraction. No output is computed in full and then subsampled. Transform length
 the U rows of a phase, which the stride-1 correlation needs without wrap-around (docs/derivation.md).
 
 A gradient is a plan (``plan``: shapes only, the steps ``explain`` shows) run by ``execute``. Work is chunked
-over groups and samples (``ConvSpec.fft_chunks``) so that one chunk's spectra hold about the layer's own
-input and grad_output in reals. Every op is differentiable (pad, index_select, rfftn, products, irfftn,
+over groups and samples (``ConvSpec.fft_chunks``) so that one chunk's spectra hold about a quarter of the
+layer's own input and grad_output in reals. Every op is differentiable (pad, index_select, rfftn, products, irfftn,
 slicing), so gradients of any order come from autograd. Half precision is computed in float32.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad._ops import pad
+from convgrad._ops import batched_like, pad
 from convgrad.backends import Backend, register
 from convgrad.spec import ConvSpec, FftDim
 
@@ -41,8 +41,9 @@ KINDS = ("y_from_x", "x_from_y", "w_from_xy")
 MIN_TAPS = 64
 # The per-bin product of at most this many (a, b) pairs is a broadcast product; above it, a batched matmul.
 SMALL_PRODUCT = 4
-# One chunk's spectra hold about max(CHUNK_MIN_REALS, the layer's x and y elements) reals.
-CHUNK_MIN_REALS = 2**20
+# One chunk's spectra hold about max(CHUNK_MIN_REALS, a quarter of the layer's x and y elements) reals: with the
+# inverse transform and the result beside them, a backward's peak stays near native's (benchmarks/large_kernels.py).
+CHUNK_MIN_REALS = 2**18
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         raise ValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
     kind, dims = kinds[gradient], spec.fft_phases
     p = math.prod(len(d.phases) for d in dims)
-    chunks = spec.fft_chunks(p, max(CHUNK_MIN_REALS, spec.side_elements))
+    chunks = spec.fft_chunks(p, max(CHUNK_MIN_REALS, spec.side_elements // 4))
     return FftPlan(gradient, spec, kind, dims, chunks, _steps(spec, kind, dims, p))
 
 
@@ -252,6 +253,23 @@ def _ranges(total: int, step: int) -> list[tuple[int, int]]:
     return [(j, min(j + step, total)) for j in range(0, total, step)]
 
 
+class _Output:
+    """The result, assembled chunk by chunk: written into one tensor when there are several chunks (a list and a
+    cat would hold it twice), a compact copy of the one chunk otherwise (a crop of the inverse transform is a view
+    that would keep the whole transform alive)."""
+
+    def __init__(self, shape: Shape, chunks: tuple[int, int], data: torch.Tensor, kernel: torch.Tensor) -> None:
+        self.shape, self.several = shape, chunks[0] < shape[1] or chunks[1] < shape[0]
+        self.data, self.kernel = data, kernel
+        self.tensor = batched_like(batched_like(data.new_empty(shape), kernel), data) if self.several else data
+
+    def put(self, n0: int, n1: int, c0: int, c1: int, part: torch.Tensor) -> None:
+        if self.several:
+            self.tensor[n0:n1, c0:c1] = part
+        else:
+            self.tensor = part.contiguous()
+
+
 def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
     real = not (x.is_complex() or w.is_complex())
@@ -260,20 +278,18 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if spec.batch == 0:
         return x.new_zeros(spec.y_shape)
     wp = _place_taps(w, dims)  # (C_y, B, *Q)
-    parts = []
+    out = _Output(spec.y_shape, p.chunks, x, w)
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
         wf = _reversed(_fft(wp[g0 * a:g1 * a], sizes), nd, real)  # (g'*A, B, *bins)
         wf = wf.reshape(g1 - g0, a, b, -1)  # (g', A, B, F)
-        rows = []
         for n0, n1 in _ranges(spec.batch, p.chunks[1]):
             xs = _to_phases(x[n0:n1, g0 * b0:g1 * b0], dims, spec.stride)  # (n', g'*B, *U)
             xf = _fft(xs, sizes)
             bins = xf.shape[2:]
             xf = xf.reshape(n1 - n0, g1 - g0, b, -1)  # (n', g', B, F)
             yf = _y_bins(xf, wf).reshape(n1 - n0, (g1 - g0) * a, *bins)  # (n', g'*A, *bins)
-            rows.append(_crop(_ifft(yf, sizes, real), spec.y_size))  # (n', g'*A, *o)
-        parts.append(torch.cat(rows, 0) if len(rows) > 1 else rows[0])
-    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (N, C_y, *o)
+            out.put(n0, n1, g0 * a, g1 * a, _crop(_ifft(yf, sizes, real), spec.y_size))  # (n', g'*A, *o)
+    return out.tensor  # (N, C_y, *o)
 
 
 def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -285,18 +301,16 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return y.new_zeros(spec.x_shape)
     wp = _place_taps(w, dims)  # (C_y, B, *Q)
     u = tuple(d.rows for d in dims)
-    parts = []
+    out = _Output(spec.x_shape, p.chunks, y, w)
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
         wf = _fft(wp[g0 * a:g1 * a], sizes).reshape(g1 - g0, a, b, -1)  # (g', A, B, F)
-        rows = []
         for n0, n1 in _ranges(spec.batch, p.chunks[1]):
             yf = _fft(y[n0:n1, g0 * a:g1 * a], sizes)  # (n', g'*A, *bins)
             bins = yf.shape[2:]
             xf = _x_bins(yf.reshape(n1 - n0, g1 - g0, a, -1), wf)  # (n', g', B, F)
             xs = _crop(_ifft(xf.reshape(n1 - n0, (g1 - g0) * b, *bins), sizes, real), u)  # (n', g'*B, *U)
-            rows.append(_from_phases(xs, dims, spec.stride, (g1 - g0) * b0))  # (n', g'*B0, *i)
-        parts.append(torch.cat(rows, 0) if len(rows) > 1 else rows[0])
-    return torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # (N, C_x, *i)
+            out.put(n0, n1, g0 * b0, g1 * b0, _from_phases(xs, dims, spec.stride, (g1 - g0) * b0))  # (n', g'*B0, *i)
+    return out.tensor  # (N, C_x, *i)
 
 
 def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -317,7 +331,7 @@ def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             term = _w_bins(xf.reshape(n1 - n0, g1 - g0, b, -1), yf.reshape(n1 - n0, g1 - g0, a, -1))  # (g',A,B,F)
             acc = term if acc is None else acc + term
         wf = acc.reshape((g1 - g0) * a, b, *bins)  # type: ignore[union-attr]  # (g'*A, B, *bins)
-        parts.append(_crop(_ifft(wf, sizes, real), q))  # (g'*A, B, *Q)
+        parts.append(_crop(_ifft(wf, sizes, real), q).contiguous())  # (g'*A, B, *Q)
     wp = torch.cat(parts, 0) if len(parts) > 1 else parts[0]  # (C_y, B, *Q)
     return _read_taps(wp, dims, b0)  # (C_y, C_x/g, *k)
 
