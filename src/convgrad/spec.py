@@ -31,7 +31,8 @@ Pair = tuple[int, int]
 PaddingArg = int | str | Sequence[Any]
 IntOrTuple = int | Sequence[int]
 
-__all__ = ["ConvSpec", "PhaseTaps", "check_bias_sizes", "check_output_mask", "same_padding", "tap_rows"]
+__all__ = ["ConvSpec", "FftDim", "PhaseTaps", "check_bias_sizes", "check_output_mask", "same_padding", "smooth_size",
+           "tap_rows"]
 
 
 class PhaseTaps(NamedTuple):
@@ -48,6 +49,44 @@ class PhaseTaps(NamedTuple):
     count: int
     pads: Pair
     dilation: int
+
+
+class FftDim(NamedTuple):
+    """One dim of the FFT backend's polyphase split (``ConvSpec.fft_phases``).
+
+    x padded by ``pads`` has s*``rows`` rows; its phase ``phases[p]`` (rows phi::s) is correlated, stride 1, with a
+    kernel of ``taps`` slots in which tap t sits at slot ``slots[t]`` - p*taps; ``size`` is the transform length.
+    """
+
+    phases: tuple[int, ...]
+    taps: int
+    rows: int
+    pads: Pair
+    size: int
+    slots: tuple[int, ...]
+
+
+def smooth_size(n: int) -> int:
+    """The smallest 5-smooth integer (2^a 3^b 5^c) >= n: a transform length FFT libraries compute fastest.
+
+    Examples:
+        >>> [smooth_size(n) for n in (1, 7, 11, 58, 97, 1025)]
+        [1, 8, 12, 60, 100, 1080]
+    """
+    best, p2 = None, 1
+    while True:
+        p3 = p2
+        while True:
+            p5 = p3
+            while p5 < n:
+                p5 *= 5
+            best = p5 if best is None else min(best, p5)
+            if p3 >= n:
+                break
+            p3 *= 3
+        if p2 >= n:
+            return best
+        p2 *= 2
 
 
 def phase_taps(i: int, k: int, s: int, d: int, p_lo: int, o: int) -> tuple[PhaseTaps | None, ...]:
@@ -556,6 +595,59 @@ class ConvSpec:
             q = -(-k // s)
             out.append((q, o + q - 1, (lo, hi + s * (o + q - 1) - size)))
         return tuple(out)
+
+    @property
+    def fft_phases(self) -> tuple[FftDim, ...]:
+        """Per dim the polyphase split of the read x into stride-1 correlations, for the FFT backend.
+
+        Tap t reads x_pad[j*s + t*d]; with t*d = s*q + phi it is row j + q of phase phi (the rows phi::s), so each
+        phase is read by a stride-1 correlation with the taps whose t*d = phi (mod s), at offsets q = t*d div s.
+        Only the phases some tap reaches take part (the multiples of gcd(s, d) below s). With dilation 1 this is
+        ``stride_phases`` (Q = ceil(k/s), U = o + Q - 1, the same pads); with stride 1 it is the dilated kernel.
+
+        Returns:
+            tuple of ``FftDim`` per spatial dim: the live phases, Q, U, the pads of x to s*U rows, the transform
+            size L (5-smooth, >= U, so the circular products do not wrap) and each tap's slot p*Q + q.
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((1, 1, 7), (1, 1, 3), stride=2, padding=1)
+            >>> spec.fft_phases[0][1:4] == spec.stride_phases[0]
+            True
+            >>> ConvSpec.from_shapes((1, 1, 9), (1, 1, 3), stride=2, dilation=2).fft_phases[0]
+            FftDim(phases=(0,), taps=3, rows=5, pads=(0, 1), size=5, slots=(0, 1, 2))
+        """
+        out = []
+        for k, s, d, o, (lo, hi), size in zip(self.kernel_size, self.stride, self.dilation, self.y_size,
+                                              self.x_read_pads, self.x_read_size):
+            q = d * (k - 1) // s + 1
+            rows = o + q - 1
+            phases = tuple(sorted({t * d % s for t in range(k)}))
+            slots = tuple(phases.index(t * d % s) * q + t * d // s for t in range(k))
+            out.append(FftDim(phases, q, rows, (lo, hi + s * rows - size), smooth_size(rows), slots))
+        return tuple(out)
+
+    def fft_chunks(self, phase_count: int, budget: int) -> tuple[int, int]:
+        """(groups, samples) per chunk of the FFT backend, so that one chunk's spectra hold about ``budget`` reals.
+
+        Per group the kernel spectra hold (C_y/g)(C_x/g)P complex bins per frequency; per group and sample the
+        spectra of x and y hold (C_x/g)P + C_y/g (P: the live phases). Whole batches of as many groups as fit,
+        else one group at a time and as many samples as fit; never less than one sample of one group.
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((8, 64, 28, 28), (64, 1, 31, 31), padding=15, groups=64)
+            >>> spec.fft_chunks(1, 2**22)
+            (64, 8)
+            >>> spec.fft_chunks(1, 2**18)
+            (4, 8)
+        """
+        bins = 2 * math.prod(f.size for f in self.fft_phases[:-1]) * (self.fft_phases[-1].size // 2 + 1)
+        a, b = self.y_channels // self.groups, self.x_channels // self.groups * phase_count
+        kernel, sample = a * b * bins, (a + b) * bins
+        n = max(self.batch, 1)
+        groups = budget // (kernel + n * sample)
+        if groups >= 1:
+            return min(groups, self.groups), n
+        return 1, max(1, min(n, (budget - kernel) // sample))
 
     def with_batch_in_groups(self) -> ConvSpec:
         """The N per-sample convolutions as one: a batch of 1 whose channels and groups are N times as many.

@@ -112,7 +112,7 @@ def _load_builtin() -> None:
     global _loaded
     _loaded = True
     # Imported here, not at module top, so that `convgrad.spec` and the NumPy path never need torch.
-    from convgrad.backends import auto, channels_last, chunked, fwdconv, native, regroup  # noqa: F401
+    from convgrad.backends import auto, channels_last, chunked, fft, fwdconv, native, regroup  # noqa: F401
 
     for optional in ("gemm", "numpy"):
         try:

@@ -72,7 +72,7 @@ __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choic
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
 
 # those registered take part
-CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup", "chunked")
+CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup", "chunked", "fft")
 FIXED_CHOICE = "native"
 MODES = ("tune", "fixed")
 

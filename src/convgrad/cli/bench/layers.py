@@ -7,7 +7,9 @@
   convs (channel-separated video networks), large and strided depthwise kernels (ConvNeXt,
   EfficientNet) and 1d depthwise convs (speech). Batches are sized so that native's forward takes at
   least 5 ms there: below that, the fixed cost of a call dominates every ratio to the forward.
-* ``all``: both. ``smoke``: tiny versions of a few layers, for tests.
+* ``large``: large kernels from published models (RepLKNet, SLaK, UniRepLKNet, wav2vec 2.0's positional conv,
+  Hyena, SincNet, wav2letter, HiFi-GAN, 3D UX-Net), where the fft backend pays, with two controls.
+* ``all``: default and slow. ``smoke``: tiny versions of a few layers, for tests.
 
 Every layer runs in float32; the layers marked ``float64`` form the float64 subset.
 ``convgrad bench --list`` (or ``benchmarks/layers.py``) prints the suites.
@@ -128,6 +130,32 @@ _SLOW: tuple[Layer, ...] = (
 )
 
 
+# Large kernels (issue 28): where the convolution theorem pays. Batches so that native's forward takes >= 5 ms on
+# 2 threads; ConvNeXt's 7x7 and ResNet's 3x3 are the controls, where auto must not pick fft.
+_LARGE: tuple[Layer, ...] = (
+    _conv("replknet.dw31", "RepLKNet-31B", "stage 2 depthwise 31x31", 4, 256, 256, (28, 28), 31, padding=15,
+          groups=256, float64=True),
+    _conv("slak.dw51x5", "SLaK-T", "stage 1 depthwise 51x5 (of the 51x5 + 5x51 pair)", 2, 96, 96, (56, 56), (51, 5),
+          padding=(25, 2), groups=96),
+    _conv("unireplknet.dw13", "UniRepLKNet-T", "stage 3 depthwise 13x13", 8, 320, 320, (14, 14), 13, padding=6,
+          groups=320),
+    _conv("wav2vec2.posconv", "wav2vec 2.0", "positional conv, k 128, 16 groups", 2, 768, 768, (500,), 128,
+          padding=64, groups=16),
+    _conv("hyena.long1d", "Hyena / H3", "causal long conv, depthwise, k = length 2048", 2, 256, 256, (2048,), 2048,
+          padding=((2047, 0),), groups=256, float64=True),
+    _conv("sincnet.k251", "SincNet", "learnable front end, 80 filters of 251 taps", 8, 1, 80, (16000,), 251),
+    _conv("wav2letter.k250s160", "wav2letter", "raw-waveform front end, k 250, stride 160", 16, 1, 250, (16000,),
+          250, stride=160),
+    _conv("hifigan.up16s8", "HiFi-GAN V1", "generator upsampling 1, transposed k 16, stride 8", 4, 512, 256, (200,),
+          16, stride=8, padding=4, transposed=True),
+    _conv("3duxnet.dw7x7x7", "3D UX-Net", "stage 1 depthwise 7x7x7", 1, 48, 48, (48, 48, 48), 7, padding=3,
+          groups=48),
+    _conv("convnext.dw7x7", "ConvNeXt-T", "stage 1 depthwise 7x7 (control)", 16, 96, 96, (56, 56), 7, padding=3,
+          groups=96),
+    _conv("resnet50.3x3@28", _R50, "layer2 conv2 (control)", 8, 128, 128, (28, 28), 3, padding=1),
+)
+
+
 def _shrink(layer: Layer) -> Layer:
     """A tiny version with the same geometry: batch 1, at most 4 groups of at most 8 channels, at most 40 wide
     (10 in 3d)."""
@@ -145,6 +173,7 @@ SUITES: dict[str, tuple[Layer, ...]] = {
     "default": DEFAULT,
     "slow": _SLOW,
     "all": DEFAULT + _SLOW,
+    "large": _LARGE,
     "smoke": tuple(_shrink(layer) for layer in DEFAULT if layer.name in {
         "resnet50.3x3s2", "resnet50.1x1s2down", "mobilenetv2.dw3x3", "wav2vec2.k10s5", "dcgan.convT4x4s2"})
     + tuple(_shrink(layer) for layer in _SLOW if layer.name in {"csn.g8x3x3x3", "efficientnet.dw5x5s2"}),

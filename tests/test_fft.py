@@ -1,0 +1,199 @@
+"""The fft backend: normwise float64 agreement on the grid and on large kernels, gradcheck/gradgradcheck, complex,
+half precision, chunking, its geometry in spec.py, and auto's pruning."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import convgrad as cg
+from convgrad.backends import auto, fft, get_backend
+from convgrad.spec import ConvSpec, smooth_size
+from helpers import Case, assert_gradchecks, grid_cases, make_tensors, random_cases, reference_forward, reference_grads
+
+NORMWISE_F64 = 1e-10
+
+
+def _normwise(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).norm() / max(float(ref.norm()), 1e-300))
+
+
+def _ours(case: Case, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    gi, gw, _ = cg.conv_backward(t["grad_output"], t["input"], t["weight"], None, transposed=case.transposed,
+                                 backend="fft", output_mask=(True, True, False),
+                                 **{**case.kwargs(), "output_padding": case.output_padding})
+    return gi, gw
+
+
+def _assert_normwise(case: Case, dtype: torch.dtype = torch.float64, bound: float = NORMWISE_F64) -> None:
+    t = make_tensors(case, dtype)
+    ref = reference_grads(case, t)
+    gi, gw = _ours(case, t)
+    for name, ours in (("grad_input", gi), ("grad_weight", gw)):
+        assert ours.shape == ref[name].shape and ours.dtype == ref[name].dtype, name
+        if ref[name].numel() and ref[name].norm() > 0:
+            err = _normwise(ours, ref[name])
+            assert err <= bound, f"{case}: {name} normwise error {err:.2e} > {bound:.0e}"
+        else:
+            assert not ours.any(), f"{case}: {name} must be zero"
+
+
+LARGE = [
+    Case((2, 6, 30, 30), (6, 1, 13, 13), padding=6, groups=6, name="depthwise-13x13"),
+    Case((2, 4, 21, 25), (4, 1, 11, 5), padding=(5, 2), groups=4, name="depthwise-11x5"),
+    Case((2, 4, 40), (4, 1, 33), padding=16, groups=4, name="1d-depthwise-k33"),
+    Case((2, 8, 40), (8, 2, 17), padding=8, groups=4, name="1d-grouped-k17"),  # A*B = 4: the broadcast product
+    Case((2, 12, 40), (12, 4, 17), padding=8, groups=3, name="1d-grouped-4-per-group"),  # A*B = 16: the matmul
+    Case((3, 6, 29, 31), (6, 1, 9, 9), stride=2, padding=((4, 3), (2, 5)), groups=6, name="dw-stride2-asym"),
+    Case((2, 4, 33), (4, 2, 9), stride=3, dilation=2, padding=5, groups=2, name="1d-stride3-dilation2"),
+    Case((2, 3, 26), (2, 3, 7), stride=2, dilation=4, padding=1, name="1d-stride2-dilation4"),  # gcd 2: 1 live phase
+    Case((2, 2, 30, 13), (3, 2, 5, 2), stride=(4, 6), dilation=(2, 4), padding=3, name="2-of-4-live-phases"),
+    Case((2, 4, 9, 9, 9), (4, 1, 5, 5, 5), padding=2, groups=4, name="3d-depthwise-5"),
+    Case((2, 4, 11, 12), (4, 2, 7, 7), stride=2, padding=3, groups=2, transposed=True, output_padding=1,
+         name="transposed-7x7-op1"),
+    Case((2, 3, 9), (3, 2, 15), stride=3, padding=2, dilation=2, transposed=True, output_padding=1,
+         name="1d-transposed-dilated"),
+]
+
+
+@pytest.mark.parametrize("case", grid_cases() + random_cases(40, seed=1234) + LARGE, ids=str)
+def test_fft_within_1e10_normwise_of_autograd_float64(case: Case) -> None:
+    _assert_normwise(case)
+
+
+@pytest.mark.parametrize("case", LARGE[:6], ids=str)
+def test_fft_float32_within_its_normwise_bound(case: Case) -> None:
+    """float32: normwise error of a few units of roundoff times log2 of the transform size (docs/numerics.md)."""
+    sizes = [d.size for d in case.spec().fft_phases]
+    _assert_normwise(case, torch.float32, 8 * 2.0**-24 * math.log2(math.prod(sizes)) * 4)
+
+
+def test_fft_forward_matches_torch() -> None:
+    for case in LARGE:
+        t = make_tensors(case)
+        spec = case.spec()
+        ours = get_backend("fft").forward(spec, t["input"], t["weight"])
+        ref = reference_forward(case, t["input"], t["weight"], None)
+        assert _normwise(ours, ref) <= NORMWISE_F64, str(case)
+
+
+@pytest.mark.parametrize("case", [c for c in grid_cases() if c.name.endswith(("groups2-cin4", "-depthwise",
+                                                                               "stride2-op1"))], ids=str)
+def test_fft_complex_matches_autograd(case: Case) -> None:
+    t = {k: torch.complex(v, v.flip(0) if v.dim() else v) for k, v in make_tensors(case).items()}
+    ref = reference_grads(case, t)
+    gi, gw = _ours(case, t)
+    assert _normwise(gi, ref["grad_input"]) <= NORMWISE_F64
+    assert _normwise(gw, ref["grad_weight"]) <= NORMWISE_F64
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fft_half_precision_runs_in_float32_and_returns_its_dtype(dtype: torch.dtype) -> None:
+    case = LARGE[0]
+    t = make_tensors(case, dtype)
+    gi, gw = _ours(case, t)
+    ref = reference_grads(case, {k: v.double() for k, v in t.items()})
+    assert gi.dtype == dtype and gw.dtype == dtype
+    assert _normwise(gi.double(), ref["grad_input"]) < 1e-2
+    assert _normwise(gw.double(), ref["grad_weight"]) < 1e-2
+
+
+@pytest.mark.parametrize("xs,ws,kw,transposed", [
+    ((2, 4, 5, 6), (4, 2, 3, 3), dict(stride=2, padding=1, groups=2), False),
+    ((1, 2, 6, 5), (3, 2, 3, 2), dict(stride=(2, 1), padding=((1, 0), (0, 2)), dilation=(1, 2)), False),
+    ((2, 4, 3, 4), (4, 1, 3, 3), dict(stride=2, padding=1, output_padding=1, groups=2), True),
+])
+def test_fft_gradcheck_and_gradgradcheck(xs: tuple[int, ...], ws: tuple[int, ...], kw: dict, transposed: bool) -> None:
+    assert_gradchecks("fft", xs, ws, kw, transposed)
+
+
+def test_fft_gradcheck_1d_and_3d() -> None:
+    assert_gradchecks("fft", (2, 2, 9), (2, 1, 4), dict(stride=2, dilation=2, padding=2, groups=2))
+    assert_gradchecks("fft", (1, 1, 4, 3, 4), (2, 1, 2, 2, 3), dict(stride=(1, 2, 1), padding=1))
+
+
+def test_fft_chunks_over_groups_and_samples_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny budget forces several chunks of groups and of samples; the result does not change."""
+    case = Case((5, 6, 14, 14), (6, 2, 9, 9), stride=2, padding=4, groups=3, name="chunked")
+    t = make_tensors(case)
+    whole = _ours(case, t)
+    monkeypatch.setattr(fft, "CHUNK_MIN_REALS", 1)
+    p = fft.plan(case.spec(), "grad_input")
+    assert p.chunks[0] < 3 and p.chunks[1] < 5, p.chunks
+    for a, b in zip(_ours(case, t), whole):
+        assert _normwise(a, b) <= NORMWISE_F64
+
+
+def test_fft_phases_reduce_to_stride_phases_with_dilation_1() -> None:
+    for case in grid_cases() + random_cases(40, seed=7):
+        spec = case.spec()
+        if all(d == 1 for d in spec.dilation):
+            assert tuple(f[1:4] for f in spec.fft_phases) == spec.stride_phases, str(case)
+
+
+def test_smooth_size_is_the_smallest_5_smooth_not_below_n() -> None:
+    def smooth(m: int) -> bool:
+        for p in (2, 3, 5):
+            while m % p == 0:
+                m //= p
+        return m == 1
+
+    for n in range(1, 400):
+        want = next(m for m in range(n, 4 * n) if smooth(m))
+        assert smooth_size(n) == want, n
+
+
+def test_fft_plan_lists_its_steps_in_order() -> None:
+    spec = ConvSpec.from_shapes((2, 8, 28, 28), (8, 1, 31, 31), stride=2, padding=15, groups=8)
+    names = [s.name for s in fft.plan(spec, "grad_weight").steps]
+    assert names == ["pad", "phases", "transform", "product", "inverse", "crop", "taps"]
+    assert fft.plan(spec, "grad_input").steps[-1].shape == spec.input_shape
+
+
+def test_auto_never_times_fft_on_3x3_and_7x7_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted candidates: the cost model leaves fft out of ResNet's 3x3 and ConvNeXt's 7x7 depthwise, and takes it
+    in on a 31x31 depthwise layer."""
+    calls: list[str] = []
+    backend = get_backend("fft")
+    for name in ("input_grad", "weight_grad"):
+        original = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, _f=original, _n=name: (calls.append(_n), _f(*a))[1])
+    with auto.tuning_mode("tune"):
+        auto.clear()
+        for x, w, kw in [((8, 64, 14, 14), (64, 64, 3, 3), dict(padding=1)),
+                         ((8, 96, 14, 14), (96, 1, 7, 7), dict(padding=3, groups=96))]:
+            xt = torch.randn(*x, requires_grad=True)
+            wt = torch.randn(*w, requires_grad=True)
+            cg.conv2d(xt, wt, **kw).sum().backward()
+        assert calls == []
+        xt, wt = torch.randn(4, 8, 28, 28, requires_grad=True), torch.randn(8, 1, 31, 31, requires_grad=True)
+        cg.conv2d(xt, wt, padding=15, groups=8).sum().backward()
+        auto.clear()
+    assert calls, "fft must be a candidate on a 31x31 depthwise layer"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_check_judges_fft_by_its_normwise_bound_and_fails_a_lossy_crop(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`convgrad check` passes fft on large, strided and grouped kernels, and fails it when the crop after the
+    inverse transform loses a column (the mutant)."""
+    from convgrad.cli.check import check_config
+
+    configs = [dict(input_size=(2, 4, 20, 20), weight_size=(4, 1, 9, 9), padding=4, groups=4),
+               dict(input_size=(2, 4, 31), weight_size=(6, 2, 9), stride=2, dilation=2, padding=3, groups=2)]
+    for config in configs:
+        _, results = check_config(**config, dtype=dtype, backends=["fft"])
+        assert [r.status for r in results] == ["pass"] * 3, results
+    crop = fft._crop
+
+    def lossy(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+        out = crop(t, rows).clone()
+        out[..., rows[-1] // 2] = 0
+        return out
+
+    monkeypatch.setattr(fft, "_crop", lossy)
+    for config in configs:
+        _, results = check_config(**config, dtype=dtype, backends=["fft"])
+        assert {r.gradient for r in results if r.failed} == {"grad_input", "grad_weight"}, results
