@@ -148,8 +148,8 @@ def _ghost_forward_hook(self: Any, module: nn.Module, forward_input: Any, output
         self.use_ghost_clipping = ghost
 
 
-def _ghost_hooks() -> type:
-    """Opacus's ghost-clipping hooks class, whose forward hook ``register()`` wraps."""
+def _ghost_hooks() -> Any:
+    """Opacus's ghost-clipping hooks class, whose forward hook ``register()`` wraps (Any: Opacus has no types)."""
     try:
         from opacus.grad_sample import GradSampleHooksFastGradientClipping
     except ModuleNotFoundError as err:
