@@ -194,3 +194,25 @@ def test_with_batch_in_groups_folds_the_samples_into_group_blocks() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="with_batch_in_groups needs batch >= 1, got batch=0"):
         spec.with_batch(0).with_batch_in_groups()
+
+
+def test_with_batch_in_groups_of_one_sample_or_an_unbatched_input_is_a_batched_conv() -> None:
+    for shape in ((1, 4, 9, 8), (4, 9, 8)):  # a batch of 1, and an unbatched input (its one sample)
+        folded = ConvSpec.from_shapes(shape, (6, 2, 3, 2), groups=2).with_batch_in_groups()
+        assert (folded.batch, folded.in_channels, folded.groups, folded.unbatched) == (1, 4, 2, False), shape
+        assert folded.input_shape == (1, 4, 9, 8) and folded.output_shape == (1, 6, 7, 7), shape
+
+
+def test_with_batch_refuses_a_negative_batch() -> None:
+    spec = ConvSpec.from_shapes((2, 4, 9), (6, 4, 3), fn="conv_weight_grad")
+    assert spec.with_batch(0).input_shape == (0, 4, 9)
+    with pytest.raises(ValueError, match="conv_weight_grad: batch=-1 must be >= 0"):
+        spec.with_batch(-1)
+
+
+@pytest.mark.parametrize("merge", [0, 3, 8])
+def test_with_merged_groups_refuses_a_merge_that_does_not_divide_groups(merge: int) -> None:
+    spec = ConvSpec.from_shapes((2, 8, 9), (8, 2, 3), groups=4, fn="regroup")
+    assert spec.with_merged_groups(2).groups == 2 and spec.with_merged_groups(4).weight_shape == (8, 8, 3)
+    with pytest.raises(ValueError, match=f"regroup: merge={merge} must divide groups=4"):
+        spec.with_merged_groups(merge)
