@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, same_padding
+from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, same_padding, tap_rows
 from helpers import grid_cases, random_cases, reference_forward
 
 
@@ -216,3 +216,17 @@ def test_with_merged_groups_refuses_a_merge_that_does_not_divide_groups(merge: i
     assert spec.with_merged_groups(2).groups == 2 and spec.with_merged_groups(4).weight_shape == (8, 8, 3)
     with pytest.raises(ValueError, match=f"regroup: merge={merge} must divide groups=4"):
         spec.with_merged_groups(merge)
+
+
+def test_tap_rows_are_the_rows_that_read_data_by_brute_force() -> None:
+    """Output row r reads data row r + offset + reach, which exists for 0 <= it < size: the rows that do are
+    first..stop-1, the first of them reading row data_first."""
+    for size in range(0, 5):
+        for rows in range(0, 5):
+            for offset in range(-4, 4):
+                for reach in range(0, 4):
+                    first, stop, data_first = tap_rows(size, rows, offset, reach)
+                    reading = [r for r in range(rows) if 0 <= r + offset + reach < size]
+                    assert list(range(first, stop)) == reading, (size, rows, offset, reach)
+                    if reading:
+                        assert data_first == reading[0] + offset + reach, (size, rows, offset, reach)
