@@ -205,7 +205,7 @@ def test_with_batch_in_groups_of_one_sample_or_an_unbatched_input_is_a_batched_c
 
 def test_with_batch_refuses_a_negative_batch() -> None:
     spec = ConvSpec.from_shapes((2, 4, 9), (6, 4, 3), fn="conv_weight_grad")
-    assert spec.with_batch(0).input_shape == (0, 4, 9)
+    assert spec.with_batch(0).input_shape == (0, 4, 9) and spec.with_batch(2) is spec  # unchanged: itself
     with pytest.raises(ValueError, match="conv_weight_grad: batch=-1 must be >= 0"):
         spec.with_batch(-1)
 
@@ -213,7 +213,8 @@ def test_with_batch_refuses_a_negative_batch() -> None:
 @pytest.mark.parametrize("merge", [0, 3, 8])
 def test_with_merged_groups_refuses_a_merge_that_does_not_divide_groups(merge: int) -> None:
     spec = ConvSpec.from_shapes((2, 8, 9), (8, 2, 3), groups=4, fn="regroup")
-    assert spec.with_merged_groups(2).groups == 2 and spec.with_merged_groups(4).weight_shape == (8, 8, 3)
+    assert spec.with_merged_groups(1) == spec and spec.with_merged_groups(2).groups == 2
+    assert spec.with_merged_groups(4).weight_shape == (8, 8, 3)
     with pytest.raises(ValueError, match=f"regroup: merge={merge} must divide groups=4"):
         spec.with_merged_groups(merge)
 
