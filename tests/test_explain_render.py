@@ -231,7 +231,8 @@ def test_a_big_layer_is_bounded_and_says_so(tmp_path: Path) -> None:
     assert (tmp_path / "big.gif").stat().st_size < 2**20
 
 
-@pytest.mark.parametrize("name", ["1d-dilated", "2d-transposed", "2d-groups", "3d", "3d-transposed"], ids=str)
+@pytest.mark.parametrize("name", ["1d-dilated", "2d-transposed", *(pytest.param(n, marks=pytest.mark.slow)
+                                                     for n in ("2d-groups", "3d", "3d-transposed"))], ids=str)
 def test_animate_writes_a_bounded_gif(name: str, tmp_path: Path) -> None:
     path = _recipe(name).animate(tmp_path / "a.gif", max_frames=9)
     with Image.open(path) as gif:
@@ -253,7 +254,8 @@ def test_animate_writes_webp_and_explains_mp4_without_ffmpeg(tmp_path: Path, mon
         recipe.animate(tmp_path / "missing" / "a.gif")
 
 
-@pytest.mark.parametrize("name", ["1d-dilated", "2d-zero-insert", "3d-transposed"], ids=str)
+@pytest.mark.parametrize("name", ["1d-dilated", "2d-zero-insert",
+                                  pytest.param("3d-transposed", marks=pytest.mark.slow)], ids=str)
 def test_html_is_self_contained(name: str, tmp_path: Path) -> None:
     recipe = _recipe(name)
     page = recipe.to_html(tmp_path / "a.html", max_frames=6).read_text()

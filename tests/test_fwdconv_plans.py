@@ -58,6 +58,26 @@ def test_input_rules_pick_the_expected_formulation(spec: ConvSpec, method: str) 
     assert plan_input_grad(spec).method == method
 
 
+@pytest.mark.parametrize(("spec", "plan", "first", "last"), [
+    (_spec((2, 8, 9, 9), (8, 8, 1, 1)), plan_input_grad, "stride 1 and a 1x1", "a matmul"),
+    (_spec((2, 8, 9, 9), (8, 8, 3, 3)), plan_input_grad, "stride 1: no zeros", "to insert"),
+    (_spec((2, 3, 9, 9), (8, 3, 3, 3), stride=2), plan_input_grad, "strided, fewer than 16", "one fused conv"),
+    (_spec((2, 32, 9, 9), (8, 32, 3, 3), stride=2), plan_input_grad, "strided: one conv per phase", "inserted zeros"),
+    (_spec((8, 64, 9, 9), (64, 64, 1, 1)), plan_weight_grad, "tap windows do not overlap", "; a matmul"),
+    (_spec((2, 6, 5, 9, 8), (6, 1, 3, 3, 3), stride=(1, 2, 2), padding=1, groups=6), plan_weight_grad,
+     "strided 3d depthwise", "not dilated ones"),
+    (_spec((8, 3, 9, 9), (8, 3, 3, 3)), plan_weight_grad, "at most 3 input channels per group", "convs, summed"),
+    (_spec((8, 64, 33, 33), (64, 64, 3, 3), padding=2, dilation=2), plan_weight_grad, "dilated, stride 1",
+     "a small stride-1 one"),
+    (_spec((2, 64, 9, 9), (64, 64, 3, 3)), plan_weight_grad, "batch of at most 2", "convs, summed"),
+    (_spec((8, 64, 9, 9), (64, 64, 3, 3)), plan_weight_grad, "grad_output as the kernel", "into channels"),
+], ids=lambda v: v if isinstance(v, str) else getattr(v, "__name__", None) or v.describe())
+def test_each_rule_gives_its_reason(spec: ConvSpec, plan: Any, first: str, last: str) -> None:
+    """The reason explain prints beside the formulation a rule chose (its wording, at both ends)."""
+    reason = plan(spec).reason
+    assert reason.startswith(first) and reason.endswith(last), reason
+
+
 def test_strided_1x1_grad_input_is_one_matmul_phase_and_zeros() -> None:
     conv = plan_input_grad(_spec((8, 256, 56, 56), (512, 256, 1, 1), stride=2)).conv
     live = [p for p in conv.phases if p is not None]
@@ -106,6 +126,7 @@ def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str)
     (_spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1), torch.bfloat16, None),
     (_spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1), torch.float16, "taps"),
     (_spec((8, 256, 56, 56), (256, 256, 3, 3), padding=1), torch.float64, None),  # 58M folded > TAPS_MAX_ELEMENTS
+    (_spec((2, 256, 256, 256), (8, 256, 1, 1)), torch.float64, "taps"),  # exactly TAPS_MAX_ELEMENTS = 2**25
 ], ids=str)
 def test_non_onednn_dtypes_fold_the_taps_for_grad_weight(spec: ConvSpec, dtype: torch.dtype,
                                                           method: str | None) -> None:

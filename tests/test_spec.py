@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, same_padding
+from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, same_padding, tap_rows
 from helpers import grid_cases, random_cases, reference_forward
 
 
@@ -194,3 +194,40 @@ def test_with_batch_in_groups_folds_the_samples_into_group_blocks() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="with_batch_in_groups needs batch >= 1, got batch=0"):
         spec.with_batch(0).with_batch_in_groups()
+
+
+def test_with_batch_in_groups_of_one_sample_or_an_unbatched_input_is_a_batched_conv() -> None:
+    for shape in ((1, 4, 9, 8), (4, 9, 8)):  # a batch of 1, and an unbatched input (its one sample)
+        folded = ConvSpec.from_shapes(shape, (6, 2, 3, 2), groups=2).with_batch_in_groups()
+        assert (folded.batch, folded.in_channels, folded.groups, folded.unbatched) == (1, 4, 2, False), shape
+        assert folded.input_shape == (1, 4, 9, 8) and folded.output_shape == (1, 6, 7, 7), shape
+
+
+def test_with_batch_refuses_a_negative_batch() -> None:
+    spec = ConvSpec.from_shapes((2, 4, 9), (6, 4, 3), fn="conv_weight_grad")
+    assert spec.with_batch(0).input_shape == (0, 4, 9) and spec.with_batch(2) is spec  # unchanged: itself
+    with pytest.raises(ValueError, match="conv_weight_grad: batch=-1 must be >= 0"):
+        spec.with_batch(-1)
+
+
+@pytest.mark.parametrize("merge", [0, 3, 8])
+def test_with_merged_groups_refuses_a_merge_that_does_not_divide_groups(merge: int) -> None:
+    spec = ConvSpec.from_shapes((2, 8, 9), (8, 2, 3), groups=4, fn="regroup")
+    assert spec.with_merged_groups(1) == spec and spec.with_merged_groups(2).groups == 2
+    assert spec.with_merged_groups(4).weight_shape == (8, 8, 3)
+    with pytest.raises(ValueError, match=f"regroup: merge={merge} must divide groups=4"):
+        spec.with_merged_groups(merge)
+
+
+def test_tap_rows_are_the_rows_that_read_data_by_brute_force() -> None:
+    """Output row r reads data row r + offset + reach, which exists for 0 <= it < size: the rows that do are
+    first..stop-1, the first of them reading row data_first."""
+    for size in range(0, 5):
+        for rows in range(0, 5):
+            for offset in range(-4, 4):
+                for reach in range(0, 4):
+                    first, stop, data_first = tap_rows(size, rows, offset, reach)
+                    reading = [r for r in range(rows) if 0 <= r + offset + reach < size]
+                    assert list(range(first, stop)) == reading, (size, rows, offset, reach)
+                    if reading:
+                        assert data_first == reading[0] + offset + reach, (size, rows, offset, reach)
