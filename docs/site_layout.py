@@ -25,9 +25,10 @@ WIDTH = 1280
 # src/convgrad/explain/layout.py rely on the smaller.
 CONTENT_PX = 733
 # Characters of a code block's line that fit that column, measured here with the font of docs/css/extra.css
-# (101 and 136); command-line tables (box-drawing characters) must not be wider, or they wrap and fall apart.
+# (101); command-line tables (box-drawing characters) must not be wider, or they wrap and fall apart.
 FIT_CHARS = 100
-FIT_CHARS_WITHOUT_TOC = 130  # pages whose front matter hides the table of contents (docs/cli/check.md)
+FIT_CHARS_WITHOUT_TOC = 130  # a page whose front matter hides the table of contents (136 measured)
+FIT_CHARS_FULL_WIDTH = 165  # one that hides both sidebars (171 measured; docs/cli/check.md, 9 backends' columns)
 BOX = re.compile(r"[─━═│┃┏┓┗┛┡┩└┘┌┐├┤┬┴┼╇╋┳┻]")
 
 _SCRIPT = """<script>

@@ -75,7 +75,10 @@ def test_picture_legends_are_10_px_as_the_site_shows_them(input_size: tuple[int,
 def fit_chars(page: Path) -> int:
     """How many characters of a code line the page's content column holds at 1280 px."""
     front = page.read_text().split("\n---\n", 1)[0] if page.read_text().startswith("---\n") else ""
-    return site_layout.FIT_CHARS_WITHOUT_TOC if re.search(r"^\s+- toc\b", front, re.M) else site_layout.FIT_CHARS
+    hidden = set(re.findall(r"^\s+- (toc|navigation)\b", front, re.M))
+    if hidden == {"toc", "navigation"}:
+        return site_layout.FIT_CHARS_FULL_WIDTH
+    return site_layout.FIT_CHARS_WITHOUT_TOC if "toc" in hidden else site_layout.FIT_CHARS
 
 
 def wide_table_lines(page: Path, text: str) -> list[str]:
@@ -97,6 +100,8 @@ def test_a_known_wide_table_is_caught(tmp_path: Path) -> None:
     assert not wide_table_lines(page, "a prose line of 200 characters wraps " + "y" * 170)  # wrapping is fine there
     page.write_text("---\nhide:\n  - toc\n---\n\n# page\n")
     assert not wide_table_lines(page, "┃ " + "x" * 120 + " ┃") and wide_table_lines(page, "┃ " + "x" * 130 + " ┃")
+    page.write_text("---\nhide:\n  - navigation\n  - toc\n---\n\n# page\n")
+    assert not wide_table_lines(page, "┃ " + "x" * 150 + " ┃") and wide_table_lines(page, "┃ " + "x" * 170 + " ┃")
 
 
 # ---- the built site in a real browser ---------------------------------------------------------------------------
@@ -131,7 +136,7 @@ def test_nothing_is_cut_off_at_1280_px(built_site: Path) -> None:
             found[page] = problems
         if page == "derivation":
             assert measures["imgs"] and all(i["shown"] >= site_layout.CONTENT_PX for i in measures["imgs"])
-        assert measures["fit_chars"] >= (site_layout.FIT_CHARS_WITHOUT_TOC if page == "cli/check"
+        assert measures["fit_chars"] >= (site_layout.FIT_CHARS_FULL_WIDTH if page == "cli/check"
                                          else site_layout.FIT_CHARS), page
     assert found == {}
 
