@@ -10,7 +10,7 @@ A page asks for a command's output with a marker, and this script writes the blo
     <!-- /cli-output -->
 
 Flags go before the colon: ``volatile`` for output with timings or machine-dependent numbers
-(the check below compares it with every number masked), ``exit=N`` for a command that is meant to
+(shown as an example, said so above it; the check below compares it with every number masked), ``exit=N`` for a command that is meant to
 exit with status N (default 0; any other exit status is an error), ``columns=N`` for a table too wide
 for the default 100 columns (its cells would wrap and be cut to "…"; the page scrolls it sideways).
 
@@ -94,10 +94,15 @@ def blocks(page: Path) -> list[Block]:
     return found
 
 
+EXAMPLE = "*An example run: timings and random values differ from run to run.*"
+
+
 def render(block: Block, output: str) -> str:
-    """The Markdown between the markers: a text block with the command line and its output."""
+    """The Markdown between the markers: a text block with the command line and its output (said to be an example
+    when volatile)."""
     lines = [line.rstrip() for line in output.rstrip("\n").splitlines()]
-    return "```text\n$ " + block.command + "\n" + "\n".join(lines) + "\n```\n"
+    return (f"{EXAMPLE}\n\n" if block.volatile else "") + "```text\n$ " + block.command + "\n" + "\n".join(lines) \
+        + "\n```\n"
 
 
 def masked(text: str) -> str:

@@ -5,21 +5,18 @@ internal names); the command-line pages show what the commands print today."""
 from __future__ import annotations
 
 import ast
-import contextlib
 import importlib.util
 import os
 import re
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -40,6 +37,7 @@ def _load(name: str, path: Path) -> ModuleType:
 
 
 cli_output = _load("cli_output", DOCS / "cli_output.py")
+py_output = _load("py_output", DOCS / "py_output.py")
 first_call_cost = _load("first_call_cost", DOCS / "first_call_cost.py")
 
 
@@ -50,25 +48,6 @@ def python_blocks(page: Path) -> list[str]:
 
 # ---- every Python block on every page runs ---------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _page_state() -> Iterator[None]:
-    """Run a page on one thread (tiny convolutions are far faster so on a loaded machine) and leave no trace:
-    threads, environment, auto's mode and choices, and the working directory are restored."""
-    from convgrad.backends import auto
-
-    threads, env, cwd, mode = torch.get_num_threads(), dict(os.environ), os.getcwd(), auto.get_mode()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        auto.set_mode(mode)
-        auto.clear()
-
-
 def test_python_blocks_are_found_on_every_page_that_has_them() -> None:
     """The runner below sees every page (not a chosen list) and the pages that teach with code."""
     with_code = {p.relative_to(DOCS).as_posix() for p in PAGES if python_blocks(p)}
@@ -78,15 +57,43 @@ def test_python_blocks_are_found_on_every_page_that_has_them() -> None:
 @pytest.mark.slow  # docs build / page runs
 @pytest.mark.parametrize("page", [p for p in [*PAGES, ROOT / "README.md"] if python_blocks(p)],
                          ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_python_blocks_run(page: Path, tmp_path: Path, capsys: Any) -> None:
-    """The blocks of one page run in order in one namespace, as a reader pastes them; each asserts its claims."""
-    namespace: dict[str, Any] = {"__name__": "__main__"}
-    with _page_state():
-        os.chdir(tmp_path)  # whatever a block writes lands here
-        for n, block in enumerate(python_blocks(page)):
-            exec(compile(block, f"{page.relative_to(ROOT)} [python block {n}]", "exec"), namespace)
+def test_python_blocks_run_and_show_what_they_print(page: Path, tmp_path: Path) -> None:
+    """The blocks of one page run in order in one namespace, as a reader pastes them; each asserts its claims. What
+    each prints is shown under it, as it prints it now (`python docs/py_output.py` rewrites it)."""
+    outputs = py_output.run_page(page, tmp_path)
     if page.name == "how-do-i.md":  # the generated recipe script checked itself against autograd
-        assert "recipe matches torch autograd" in capsys.readouterr().out
+        assert "recipe matches torch autograd" in "".join(outputs)
+    if page.name != "README.md":  # GitHub shows the README: its comments show the output (tested below)
+        problems = py_output.problems(page, outputs)
+        assert not problems, "\n\n".join(problems) + "\n\nrun `python docs/py_output.py` to update the pages"
+
+
+def test_py_output_reports_a_missing_or_stale_output(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```python\nprint(1 + 1)\n```\n\n```python\nprint('a')\n```\n<!-- py-output -->\n```text\nb\n```\n"
+                    "<!-- /py-output -->\n```python\nprint(3.5, 'ms')\n```\n<!-- py-output volatile -->\n"
+                    "<!-- /py-output -->\n")
+    outputs = py_output.run_page(page, tmp_path)
+    assert outputs == ["2\n", "a\n", "3.5 ms\n"]
+    problems = py_output.problems(page, outputs)
+    assert len(problems) == 3 and "no <!-- py-output --> marker" in problems[0] and "out of date" in problems[1]
+    py_output.write(page, outputs)
+    assert py_output.problems(page, outputs) == [py_output.problems(page, outputs)[0]]  # the marker is not made up
+    assert py_output.EXAMPLE in page.read_text() and "```text\n3.5 ms\n```" in page.read_text()
+    assert not py_output.problems(page, ["2\n", "a\n", "4.25 ms\n"])[1:]  # an example: its numbers may change
+    assert py_output.problems(page, ["2\n", "a\n", "4.25 ms\nmore\n"])[1:]  # not its lines
+
+
+def test_readme_names_the_backends_there_are() -> None:
+    """The README's example comment printed an old list ('auto', 'fwdconv', 'native', ...), and its backend list
+    left out channels_last, chunked and regroup."""
+    import convgrad
+
+    text = (ROOT / "README.md").read_text()
+    comment = re.search(r"^print\(cg\.backends\(\)\)\s*# (\[.*\])$", text, flags=re.M)
+    assert comment is not None and ast.literal_eval(comment.group(1)) == convgrad.backends()
+    listed = text.split("- Backends (`convgrad.backends()`):")[1].split("\n- ")[0]
+    assert set(re.findall(r"`(\w+)`", listed)) >= set(convgrad.backends()), listed
 
 
 def test_readme_links_only_inside_the_repository() -> None:
@@ -103,8 +110,43 @@ def test_readme_links_only_inside_the_repository() -> None:
 def test_derivation_figures_come_from_make_figures() -> None:
     make_figures = _load("make_figures", DOCS / "make_figures.py")
     used = set(re.findall(r"\(img/([\w.-]+\.png)\)", (DOCS / "derivation.md").read_text()))
-    assert used == set(make_figures.FIGURES)
+    assert used == set(make_figures.FIGURES) | {m.file for m in make_figures.METHODS.values()}
     assert all((DOCS / "img" / name).is_file() for name in used)
+
+
+def test_every_method_explain_shows_has_a_section_with_its_picture_and_rule() -> None:
+    """A student meets "subpixel" or "per_sample" in explain's output; the derivation page explains each, with the
+    picture of a layer the rules give it and the rule's own words (a rule that changes makes this fail)."""
+    from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
+
+    make_figures = _load("make_figures", DOCS / "make_figures.py")
+    page = (DOCS / "derivation.md").read_text()
+    sections = dict(re.findall(r"^### grad_(?:input|weight): (\w+)\n(.*?)(?=^##)", page, flags=re.M | re.S))
+    assert set(sections) == set(make_figures.METHODS) == {*INPUT_METHODS, *WEIGHT_METHODS, "direct"}
+    for name, method in make_figures.METHODS.items():
+        plan = method.plan()
+        assert plan.method == name and plan.gradient == method.gradient, (name, plan.method)
+        text = sections[name]
+        assert f"(img/{method.file})" in text and "**When it wins:**" in text, name
+        wins = text.split("**When it wins:**")[1]
+        assert len([line for line in wins.strip().splitlines() if line.strip()]) == 2, (name, wins)
+        assert method.forced == (plan.reason == "forced"), name
+        if not method.forced:
+            assert f"`{plan.reason}`" in wins, (name, plan.reason)
+
+
+@pytest.mark.slow  # draws every method's picture
+def test_derivation_pictures_are_current(tmp_path: Path) -> None:
+    """The committed method pictures are what make_figures.py draws now (same size; the pixels may differ by
+    font rendering, so only the dimensions are compared)."""
+    from PIL import Image
+
+    make_figures = _load("make_figures", DOCS / "make_figures.py")
+    for method in make_figures.METHODS.values():
+        fresh = tmp_path / method.file
+        method.recipe().plot(fresh, gradients=(method.gradient,))
+        with Image.open(fresh) as now, Image.open(DOCS / "img" / method.file) as committed:
+            assert now.size == committed.size, method.file
 
 
 # ---- the built site ----------------------------------------------------------------------------------------------
@@ -314,6 +356,20 @@ def test_every_cli_page_asks_for_real_output() -> None:
         assert any(c != f"convgrad {name} --help" for c in commands), commands
 
 
+def test_explain_page_documents_every_option_and_the_textbook_version() -> None:
+    """Before: --method, --weight-method, --animate, --html and --max-frames were only in the --help dump."""
+    from convgrad.cli import build_parser
+
+    page = (DOCS / "cli" / "explain.md").read_text()
+    table = page.split("## Every option")[1].split("\n## ")[0]
+    explain = build_parser()._subparsers._group_actions[0].choices["explain"]  # type: ignore[union-attr]
+    options = {o for action in explain._actions for o in action.option_strings if o.startswith("--") and o != "--help"}
+    assert options and {o for o in options if f"`{o}" not in table} == set()
+    commands = [b.command for b in cli_output.blocks(DOCS / "cli" / "explain.md")]
+    assert "convgrad explain --input 1,1,5,5 --weight 1,1,3,3 --stride 2" == commands[0]  # what runs
+    assert f"{commands[0]} --method zero_insert --weight-method kernel" in commands  # the textbook version
+
+
 def test_cli_output_shows_whole_cells() -> None:
     """Before: with seven backends, check's --model and --random tables at 100 columns cut the gradient and
     module names to "gradie…" and "Conv2d…"; such a block asks for its width (``columns=N``)."""
@@ -322,6 +378,8 @@ def test_cli_output_shows_whole_cells() -> None:
     assert {where: lines for where, lines in cut.items() if lines} == {}
     widths = {b.command: b.columns for b in cli_output.blocks(DOCS / "cli" / "check.md")}
     assert widths["convgrad check --random 20 --seed 0"] > 100 and widths["convgrad check --help"] == 100
+    # and fit the page's column at 1280 px (tests/test_docs_layout.py): cli/check.md hides both sidebars
+    assert max(widths.values()) <= 165
 
 
 @pytest.mark.slow  # docs build / page runs
