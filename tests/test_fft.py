@@ -58,7 +58,11 @@ LARGE = [
 ]
 
 
-@pytest.mark.parametrize("case", grid_cases() + random_cases(40, seed=1234) + LARGE, ids=str)
+# the grid (which test_grid.py also runs element-wise in the fast tier) in the full tier; the large cases in both
+GRID = [pytest.param(c, marks=pytest.mark.slow) for c in grid_cases() + random_cases(40, seed=1234)]
+
+
+@pytest.mark.parametrize("case", GRID + LARGE, ids=str)
 def test_fft_within_1e10_normwise_of_autograd_float64(case: Case) -> None:
     _assert_normwise(case)
 
