@@ -265,6 +265,11 @@ def _both_call(name: str, parts: tuple[str, ...], spec: ConvSpec, grad_output: t
     return lambda: backend.backward(spec, grad_output, input, weight, True, True)
 
 
+def _forward_of(backend: Backend, spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
+    """A backend's forward of the first m samples (no bias)."""
+    return backend.forward(_sub(spec, m), _head(input, m), weight)  # type: ignore[attr-defined, no-any-return]
+
+
 def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The convolution itself through the backend tuned for it (``convgrad.conv*``, the nn modules and ``patch``
     with backend="auto"): native, or a candidate with a ``forward`` (fft) where its ``can_serve`` lets it in, tuned,
@@ -280,8 +285,10 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
         cands = [b for b in _candidates(spec, input) if b.name != "native" and hasattr(b, "forward")]
         if not cands:
             return native_forward(spec, input, weight, bias)
-        options = {"native": lambda m: native_forward(_sub(spec, m), _head(input, m), weight, None),
-                   **{b.name: (lambda m, b=b: b.forward(_sub(spec, m), _head(input, m), weight)) for b in cands}}
+        options: dict[str, Callable[[int], torch.Tensor]] = {
+            "native": lambda m: native_forward(_sub(spec, m), _head(input, m), weight, None)}
+        for b in cands:
+            options[b.name] = functools.partial(_forward_of, b, spec, input, weight)
         known, _ = _tune(options, spec.batch, input.device)
         _choices.remember(key, known)
 

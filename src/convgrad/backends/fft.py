@@ -325,11 +325,12 @@ def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     q = tuple(d.taps for d in dims)
     parts = []
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
-        acc, bins = None, ()
+        acc: torch.Tensor | None = None
+        bins: tuple[int, ...] = ()
         for n0, n1 in _ranges(spec.batch, p.chunks[1]):
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
             xf = _fft(_to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
-            bins = xf.shape[2:]
+            bins = tuple(xf.shape[2:])
             part = sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0)  # (n', g'*A, *o)
             yf = _reversed(_fft(part, sizes), nd, real)  # (n', g'*A, *bins)
             term = _w_bins(xf.reshape(n1 - n0, g1 - g0, b, -1), yf.reshape(n1 - n0, g1 - g0, a, -1))  # (g',A,B,F)
