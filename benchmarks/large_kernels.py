@@ -84,7 +84,7 @@ def measure(layer: Layer, min_time: float) -> dict[str, object]:
     with auto.tuning_mode("tune"):
         auto.clear()
         backend = get_backend("auto")
-        for _ in range(24):  # screening, then the rounds that settle a close call
+        for _ in range(16):  # screening, then the rounds that settle a close call
             backend.gradients(spec, gy, x, w, True, True)
         choice = auto.chosen(spec, "both", gy)
         picked = choice.backend if choice else "native"

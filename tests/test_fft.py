@@ -58,7 +58,11 @@ LARGE = [
 ]
 
 
-@pytest.mark.parametrize("case", grid_cases() + random_cases(40, seed=1234) + LARGE, ids=str)
+# the grid (which test_grid.py also runs element-wise in the fast tier) in the full tier; the large cases in both
+GRID = [pytest.param(c, marks=pytest.mark.slow) for c in grid_cases() + random_cases(40, seed=1234)]
+
+
+@pytest.mark.parametrize("case", GRID + LARGE, ids=str)
 def test_fft_within_1e10_normwise_of_autograd_float64(case: Case) -> None:
     _assert_normwise(case)
 
@@ -197,3 +201,49 @@ def test_check_judges_fft_by_its_normwise_bound_and_fails_a_lossy_crop(
     for config in configs:
         _, results = check_config(**config, dtype=dtype, backends=["fft"])
         assert {r.gradient for r in results if r.failed} == {"grad_input", "grad_weight"}, results
+
+
+def test_auto_runs_the_forward_through_fft_on_a_large_kernel_and_native_on_3x3(monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    """convgrad.conv2d with backend="auto" tunes its forward: fft is tried (and its output is torch's) on a 31x31
+    depthwise layer, never on a 3x3 one; in "fixed" mode the forward is torch's, bit for bit."""
+    calls: list[ConvSpec] = []
+    backend = get_backend("fft")
+    original = backend.forward  # type: ignore[attr-defined]
+    monkeypatch.setattr(backend, "forward", lambda spec, x, w: (calls.append(spec), original(spec, x, w))[1])
+    big = (torch.randn(4, 8, 28, 28, dtype=torch.float64), torch.randn(8, 1, 31, 31, dtype=torch.float64),
+           torch.randn(8, dtype=torch.float64))
+    small = (torch.randn(4, 8, 14, 14), torch.randn(8, 8, 3, 3), None)
+    with auto.tuning_mode("tune"):
+        auto.clear()
+        out = cg.conv2d(small[0], small[1], padding=1)
+        assert calls == [] and torch.equal(out, torch.nn.functional.conv2d(small[0], small[1], padding=1))
+        for _ in range(8):  # the screening, then the rounds that settle the choice
+            out = cg.conv2d(*big, padding=15, groups=8)
+            ref = torch.nn.functional.conv2d(*big, padding=15, groups=8)
+            assert _normwise(out, ref) <= NORMWISE_F64
+        assert calls, "fft's forward must be tried on a 31x31 depthwise layer"
+        auto.clear()
+    calls.clear()
+    with auto.tuning_mode("fixed"):
+        assert torch.equal(cg.conv2d(*big, padding=15, groups=8), torch.nn.functional.conv2d(*big, padding=15,
+                                                                                              groups=8))
+    assert calls == []
+
+
+@pytest.mark.parametrize("case", [LARGE[0], LARGE[4], LARGE[5], LARGE[10]], ids=str)
+def test_per_sample_fft_matches_a_loop_over_samples(case: Case) -> None:
+    """method="fft": per-sample weight gradients and their norms equal autograd's, one sample at a time."""
+    t = make_tensors(case)
+    kw = {**case.kwargs(), "transposed": case.transposed}
+    if case.transposed:
+        kw["output_padding"] = case.output_padding
+    gw = cg.per_sample_weight_grad(t["input"], case.weight_shape, t["grad_output"], method="fft", **kw)
+    norms = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], bias=False, method="fft", **kw)
+    for n in range(case.input_shape[0]):
+        one = Case((1, *case.input_shape[1:]), case.weight_shape, case.stride, case.padding, case.dilation,
+                   case.groups, case.transposed, case.output_padding)
+        ref = reference_grads(one, {"input": t["input"][n:n + 1], "weight": t["weight"],
+                                    "grad_output": t["grad_output"][n:n + 1]})["grad_weight"]
+        assert _normwise(gw[n], ref) <= NORMWISE_F64
+        assert abs(float(norms[n]) - float(ref.norm())) <= NORMWISE_F64 * float(ref.norm())

@@ -1,6 +1,8 @@
 """Convolutions as torch.autograd.Functions whose backward is computed by a chosen backend.
 
-The forward is PyTorch's native convolution. The backward calls the backend's
+The forward is PyTorch's native convolution; with backend="auto" it is tuned like the backward (native unless a
+backend's ``forward``, fft's for large kernels, beats it: ``convgrad.backends.auto.forward``). The backward calls the
+backend's
 explicit formulas, which are built from differentiable ops, so double and higher
 backward passes come from autograd (as with JAX's transpose rules).
 """
@@ -16,6 +18,7 @@ import torch
 
 from convgrad._ops import bias_grad
 from convgrad.backends import Backend, get_backend, traceable_names
+from convgrad.backends.auto import forward as auto_forward
 from convgrad.backends.native import forward as native_forward
 from convgrad.functional import _check_tensor, _check_tensors, _check_untraced
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
@@ -68,7 +71,10 @@ class _ConvCore(torch.autograd.Function):
     @staticmethod
     def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec,
                 backend: str) -> torch.Tensor:
-        out = native_forward(spec, input, weight, bias)
+        if backend == "auto":  # the forward is tuned too (an fft forward for large kernels)
+            out = auto_forward(spec, input, weight, bias)
+        else:
+            out = native_forward(spec, input, weight, bias)
         # a transposed conv with asymmetric padding crops aten's result: a view, whose forward-AD tangent autograd
         # then requires to be a view of the same layout (an internal assert under jvp otherwise); return a copy
         return out.clone() if out._base is not None else out

@@ -265,6 +265,43 @@ def _both_call(name: str, parts: tuple[str, ...], spec: ConvSpec, grad_output: t
     return lambda: backend.backward(spec, grad_output, input, weight, True, True)
 
 
+def _forward_of(backend: Backend, spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
+    """A backend's forward of the first m samples (no bias)."""
+    return backend.forward(_sub(spec, m), _head(input, m), weight)  # type: ignore[attr-defined, no-any-return]
+
+
+def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The convolution itself through the backend tuned for it (``convgrad.conv*``, the nn modules and ``patch``
+    with backend="auto"): native, or a candidate with a ``forward`` (fft) where its ``can_serve`` lets it in, tuned,
+    cached and settled like a gradient, native kept unless beaten by ``PREFER_NATIVE``. Native when tuning is off or
+    the tensors cannot be timed (compiling, vmap, forward AD, meta)."""
+    from convgrad.backends.native import forward as native_forward  # native imports this package's registry
+
+    if torch.compiler.is_compiling() or get_mode() == "fixed" or not _tunable(input, weight):
+        return native_forward(spec, input, weight, bias)
+    key = _key(spec, "forward", input)
+    known = _choices.lookup(key)
+    if known is None:
+        cands = [b for b in _candidates(spec, input) if b.name != "native" and hasattr(b, "forward")]
+        if not cands:
+            return native_forward(spec, input, weight, bias)
+        options: dict[str, Callable[[int], torch.Tensor]] = {
+            "native": lambda m: native_forward(_sub(spec, m), _head(input, m), weight, None)}
+        for b in cands:
+            options[b.name] = functools.partial(_forward_of, b, spec, input, weight)
+        known, _ = _tune(options, spec.batch, input.device)
+        _choices.remember(key, known)
+
+    def make(name: str) -> Callable[[], torch.Tensor]:
+        if name == "native":
+            return lambda: native_forward(spec, input, weight, bias)
+        backend = get_backend(name)
+        shape = (-1, *(1,) * spec.n)  # bias (C_out,) -> (C_out, 1, ..., 1)
+        return lambda: backend.forward(spec, input, weight) + (0 if bias is None else bias.reshape(shape))  # type: ignore[attr-defined]
+
+    return _choices.run(key, known, spec.batch, input.device, make)
+
+
 @register
 class AutoBackend(Backend):
     """Delegates each gradient to the candidate chosen for it (see the module docstring)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad._ops import batched_like, pad
+from convgrad._ops import batched_like, pad, sliced
 from convgrad.backends import Backend, register
 from convgrad.spec import ConvSpec, FftDim
 
@@ -153,8 +153,9 @@ def _reversed(t: torch.Tensor, n: int, real: bool) -> torch.Tensor:
 
 
 def _crop(t: torch.Tensor, rows: Shape) -> torch.Tensor:
-    """The first rows[j] entries of each trailing dim."""
-    return t[(..., *(slice(0, r) for r in rows))]
+    """The first rows[j] entries of each trailing dim (no alias when nothing is cropped: the legacy vmap of
+    is_grads_batched cannot batch one)."""
+    return sliced(t, [slice(0, r) for r in rows])
 
 
 def _to_phases(x: torch.Tensor, dims: tuple[FftDim, ...], stride: Shape) -> torch.Tensor:
@@ -217,7 +218,7 @@ def _y_bins(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (n, g, B, F), w (g, A, B, F) -> (n, g, A, F): sum over b."""
     b, a = x.shape[2], w.shape[1]
     if a * b <= SMALL_PRODUCT:
-        return sum(x[:, :, j:j + 1] * w[:, :, j] for j in range(b))  # type: ignore[return-value]
+        return sum(sliced(x, [slice(j, j + 1)], 2) * w[:, :, j] for j in range(b))  # type: ignore[return-value]
     return torch.matmul(x.permute(1, 3, 0, 2), w.permute(0, 3, 2, 1)).permute(2, 0, 3, 1)  # (g,F,n,A) -> (n,g,A,F)
 
 
@@ -225,7 +226,7 @@ def _x_bins(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y (n, g, A, F), w (g, A, B, F) -> (n, g, B, F): sum over a."""
     a, b = w.shape[1], w.shape[2]
     if a * b <= SMALL_PRODUCT:
-        return sum(y[:, :, j:j + 1] * w[:, j] for j in range(a))  # type: ignore[return-value]
+        return sum(sliced(y, [slice(j, j + 1)], 2) * w[:, j] for j in range(a))  # type: ignore[return-value]
     return torch.matmul(y.permute(1, 3, 0, 2), w.permute(0, 3, 1, 2)).permute(2, 0, 3, 1)  # (g,F,n,B) -> (n,g,B,F)
 
 
@@ -280,10 +281,11 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     wp = _place_taps(w, dims)  # (C_y, B, *Q)
     out = _Output(spec.y_shape, p.chunks, x, w)
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
-        wf = _reversed(_fft(wp[g0 * a:g1 * a], sizes), nd, real)  # (g'*A, B, *bins)
+        wf = _reversed(_fft(sliced(wp, [slice(g0 * a, g1 * a)], 0), sizes), nd, real)  # (g'*A, B, *bins)
         wf = wf.reshape(g1 - g0, a, b, -1)  # (g', A, B, F)
         for n0, n1 in _ranges(spec.batch, p.chunks[1]):
-            xs = _to_phases(x[n0:n1, g0 * b0:g1 * b0], dims, spec.stride)  # (n', g'*B, *U)
+            part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
+            xs = _to_phases(part, dims, spec.stride)  # (n', g'*B, *U)
             xf = _fft(xs, sizes)
             bins = xf.shape[2:]
             xf = xf.reshape(n1 - n0, g1 - g0, b, -1)  # (n', g', B, F)
@@ -303,9 +305,9 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     u = tuple(d.rows for d in dims)
     out = _Output(spec.x_shape, p.chunks, y, w)
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
-        wf = _fft(wp[g0 * a:g1 * a], sizes).reshape(g1 - g0, a, b, -1)  # (g', A, B, F)
+        wf = _fft(sliced(wp, [slice(g0 * a, g1 * a)], 0), sizes).reshape(g1 - g0, a, b, -1)  # (g', A, B, F)
         for n0, n1 in _ranges(spec.batch, p.chunks[1]):
-            yf = _fft(y[n0:n1, g0 * a:g1 * a], sizes)  # (n', g'*A, *bins)
+            yf = _fft(sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0), sizes)  # (n', g'*A, *bins)
             bins = yf.shape[2:]
             xf = _x_bins(yf.reshape(n1 - n0, g1 - g0, a, -1), wf)  # (n', g', B, F)
             xs = _crop(_ifft(xf.reshape(n1 - n0, (g1 - g0) * b, *bins), sizes, real), u)  # (n', g'*B, *U)
@@ -323,11 +325,14 @@ def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     q = tuple(d.taps for d in dims)
     parts = []
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
-        acc, bins = None, ()
+        acc: torch.Tensor | None = None
+        bins: tuple[int, ...] = ()
         for n0, n1 in _ranges(spec.batch, p.chunks[1]):
-            xf = _fft(_to_phases(x[n0:n1, g0 * b0:g1 * b0], dims, spec.stride), sizes)  # (n', g'*B, *bins)
-            bins = xf.shape[2:]
-            yf = _reversed(_fft(y[n0:n1, g0 * a:g1 * a], sizes), nd, real)  # (n', g'*A, *bins)
+            part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
+            xf = _fft(_to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
+            bins = tuple(xf.shape[2:])
+            part = sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0)  # (n', g'*A, *o)
+            yf = _reversed(_fft(part, sizes), nd, real)  # (n', g'*A, *bins)
             term = _w_bins(xf.reshape(n1 - n0, g1 - g0, b, -1), yf.reshape(n1 - n0, g1 - g0, a, -1))  # (g',A,B,F)
             acc = term if acc is None else acc + term
         wf = acc.reshape((g1 - g0) * a, b, *bins)  # type: ignore[union-attr]  # (g'*A, B, *bins)

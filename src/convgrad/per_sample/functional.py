@@ -18,7 +18,7 @@ from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
 __all__ = ["per_sample_bias_grad", "per_sample_grad_norms", "per_sample_weight_grad"]
 
-_METHODS = ("auto", "conv", "unfold", "native", "ghost")
+_METHODS = ("auto", "conv", "unfold", "native", "ghost", "fft")
 
 
 def _check(fn: str, input: Any, weight_size: Any, grad_output: Any, stride: IntOrTuple, padding: PaddingArg,
@@ -99,7 +99,7 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
                         output_padding, method)
     if method == "ghost":
         raise ValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
-                         f"'unfold', 'conv', 'native' or 'auto'")
+                         f"'unfold', 'conv', 'native', 'fft' or 'auto'")
     with methods.one_layer():
         if method == "auto":
             method = tuning.method_for(spec, x, y, "grads")

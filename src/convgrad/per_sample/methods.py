@@ -6,6 +6,8 @@ geometry of ConvSpec; P = prod(o) positions of y, T = prod(k) taps, U = im2col(x
     "conv"    gw    [C_x/g, N·C_y, T] = x [C_x/g, N·g, x] ⋆ y [N·C_y, 1, P]       groups = N·g, stride d, dilation s
     "ghost"   |gw[n]|² = Σ_g ⟨y[n]ᵀy[n], U[n]ᵀU[n]⟩ over [P, P] Gram matrices   norms only, never gw itself
     "native"  gw [N·C_y, C_x/g, T] = aten weight gradient of the batch folded into the groups (N·g), one call
+    "fft"     gw [N·C_y, C_x/g, T] = the fft backend's weight gradient of the same folded conv: one product per
+              sample and frequency bin, no im2col of T columns (large kernels; chosen by name only)
 A forward conv has x = input, y = grad_output; a transposed conv the reverse. Only
 the diagonal (same-group) blocks are ever formed: U is laid out per group, so the
 GEMM never multiplies channels of one group with those of another.
@@ -273,12 +275,24 @@ def _native_call(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return gw.view(spec.batch, *spec.weight_shape)  # (N, *weight_shape): sample n's block
 
 
+def _fft(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The fft backend's weight gradient of the batch folded into the groups: (N, *weight_shape)."""
+    inp, gy = (y, x) if spec.transposed else (x, y)  # the conv's input and grad_output
+    folded_input = inp.reshape(1, -1, *inp.shape[2:])  # (1, N·C_in, *i)
+    folded_grad = gy.reshape(1, -1, *gy.shape[2:])  # (1, N·C_out, *o)
+    gw = get_backend("fft").weight_grad(spec.with_batch_in_groups(), folded_input, folded_grad)  # (N·w0, *w[1:])
+    return gw.view(spec.batch, *spec.weight_shape)  # (N, *weight_shape): sample n's block
+
+
 def weight_grad(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, method: str) -> torch.Tensor:
-    """Per-sample weight gradients (N, *spec.weight_shape) by "unfold", "conv" or "native" (x, y: the two sides)."""
+    """Per-sample weight gradients (N, *spec.weight_shape) by "unfold", "conv", "native" or "fft" (x, y: the two
+    sides)."""
     if spec.batch == 0:
         return x.new_zeros(0, *spec.weight_shape)
     if method == "native":
         return _native(spec, x, y)
+    if method == "fft":
+        return _fft(spec, x, y)
     return _conv(spec, x, y) if method == "conv" else _unfold(spec, x, y)
 
 
