@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,12 @@ __all__ = [
 ]
 
 _weight_gradients_disabled = 0
+
+# TorchScript cannot compile a Python autograd.Function, so no convgrad convolution can be scripted
+SCRIPT_UNSUPPORTED = (
+    "{fn} cannot compile convgrad's convolutions: their backward is a Python autograd.Function, which TorchScript "
+    "cannot hold; use torch.compile or torch.export (or torch.jit.trace, which records the Function), or "
+    "convgrad.unpatch(model) before scripting to get torch's own convolutions back")
 
 
 @contextlib.contextmanager
@@ -125,6 +132,19 @@ class ConvFunction(_ConvCore):
         return tangent
 
 
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    """``t.shape`` as ints, also while torch.jit.trace records (it gives each size as a tensor there).
+
+    A traced call records the Function with its ConvSpec as a constant, so the trace holds these shapes anyway;
+    the tracer's warning about converting its sizes to ints would say nothing more.
+    """
+    if not torch.jit.is_tracing():
+        return tuple(t.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return tuple(int(v) for v in t.shape)
+
+
 def _check_differentiation(fn: str, backend: Backend, **tensors: torch.Tensor) -> None:
     """In the backward of a backend autograd cannot see through: no transform, no second derivative."""
     _check_untraced(fn, backend, tensors, returns_gradients=False)
@@ -165,6 +185,16 @@ def _autocast(fn: str, backend: Backend, tensors: dict[str, Any]) -> dict[str, A
     return cast
 
 
+# torch.compile of a torch.func transform (grad, vjp, ...) differentiates the forward and drops the Function's own
+# backward (pytorch/pytorch#193279), so no_weight_gradients would be silently ignored: refuse instead. Without
+# fullgraph=True Dynamo then runs the call eagerly, where the backward is honoured.
+_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM = (
+    "{fn}: no_weight_gradients() cannot act under torch.compile of a torch.func transform (grad, vjp, jacrev, "
+    "...): the compiled transform differentiates the forward and skips convgrad's backward (pytorch/pytorch#193279), "
+    "so the weights would silently get gradients; compile without the transform (loss.backward() or "
+    "torch.autograd.grad inside torch.compile honour it), or run the transform eagerly")
+
+
 def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
            backend: str) -> torch.Tensor:
@@ -176,10 +206,20 @@ def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     input, weight, bias = tensors["input"], tensors["weight"], tensors.get("bias")
     _check_tensors(fn, b, results_in_graph=True, **tensors)
     compiling = torch.compiler.is_compiling()
+    transformed = compiling and torch._C._are_functorch_transforms_active()
+    if transformed and _weight_gradients_disabled:
+        raise ValueError(_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM.format(fn=fn))
     make = ConvSpec._validated if compiling else ConvSpec.from_shapes  # Dynamo breaks the graph on from_shapes's memo
-    spec = make(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding, groups, fn=fn)
-    if bias is not None and tuple(bias.shape) != (spec.out_channels,):
-        raise ValueError(f"{fn}: bias.shape={tuple(bias.shape)} must be (out_channels,)=({spec.out_channels},)")
+    spec = make(shape_of(input), shape_of(weight), stride, padding, dilation, transposed, output_padding, groups,
+                fn=fn)
+    if bias is not None and shape_of(bias) != (spec.out_channels,):
+        raise ValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
+    if transformed:
+        # Dynamo differentiates the forward of a transformed Function anyway (pytorch/pytorch#193279), and cannot
+        # vmap its wrapper (ApplyTemplate) where one conv feeds another: trace the forward itself
+        if spec.unbatched:
+            return native_forward(spec, input.unsqueeze(0), weight, bias).squeeze(0)  # (C_out, *o)
+        return native_forward(spec, input, weight, bias)
     function = _ConvCore if compiling else ConvFunction
     if spec.unbatched:
         return function.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)
@@ -283,3 +323,9 @@ def _fixed_rank(n: int, transposed: bool) -> Any:
 
 conv1d, conv2d, conv3d = (_fixed_rank(n, False) for n in (1, 2, 3))
 conv_transpose1d, conv_transpose2d, conv_transpose3d = (_fixed_rank(n, True) for n in (1, 2, 3))
+
+# torch.jit.script(f) raises "TorchScript error: <this>" for a function carrying it (as torch.autocast's decorator
+# does), and so does scripting code that calls one
+for _f in (conv, conv_transpose, conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d):
+    setattr(_f, "__script_unsupported", SCRIPT_UNSUPPORTED.format(fn=f"{_f.__name__}: torch.jit.script"))
+del _f
