@@ -145,6 +145,84 @@ def shape_of(t: torch.Tensor) -> tuple[int, ...]:
         return tuple(int(v) for v in t.shape)
 
 
+class _Expanded:
+    """The ExpandedWeight operands of one call (torch.nn.utils._per_sample_grad, Opacus grad_sample_mode="ew"),
+    held in an object the Function's apply does not look into (each is a tensor subclass that refuses every op)."""
+
+    def __init__(self, weight: Any, bias: Any) -> None:
+        self.weight, self.bias = weight, bias
+
+
+class _ExpandedConvFunction(torch.autograd.Function):
+    """A convolution with ExpandedWeight operands: the forward as ConvFunction's; the backward gives grad_input
+    through the backend and, as torch's ExpandedWeights rules do, adds each per-sample gradient to the original
+    parameter's ``grad_sample`` (times the batch for loss_reduction="mean"), leaving ``.grad`` alone."""
+
+    @staticmethod
+    def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec, backend: str,
+                expanded: _Expanded) -> torch.Tensor:
+        return _ConvCore.forward(input, weight, bias, spec, backend)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        input, weight, _, spec, backend, expanded = inputs
+        ctx.save_for_backward(input, weight)
+        ctx.spec, ctx.backend, ctx.expanded = spec, backend, expanded
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        from convgrad.per_sample import per_sample_bias_grad, per_sample_weight_grad  # a layer above this one
+
+        input, weight = ctx.saved_tensors
+        spec, expanded = ctx.spec, ctx.expanded
+        gi = None
+        if ctx.needs_input_grad[0]:
+            gi, _ = get_backend(ctx.backend, "ConvFunction.backward").gradients(spec, grad_output, input, weight,
+                                                                                 True, False)
+        for ew, per_sample in ((expanded.weight, lambda: per_sample_weight_grad(
+                input, spec.weight_shape, grad_output, spec.stride, spec.padding, spec.dilation, spec.groups,
+                spec.transposed, spec.output_padding)), (expanded.bias, lambda: per_sample_bias_grad(grad_output))):
+            if ew is None:
+                continue
+            g = per_sample()  # (N, *param.shape)
+            if ew.loss_reduction == "mean":
+                g = g * ew.batch_size
+            param = ew.orig_weight
+            param.grad_sample = g if getattr(param, "grad_sample", None) is None else param.grad_sample + g
+        return gi, None, None, None, None, None
+
+
+def _expanded_weight_type() -> type | None:
+    try:  # private to torch, and absent from some builds
+        from torch.nn.utils._expanded_weights import ExpandedWeight
+    except ImportError:
+        return None
+    return ExpandedWeight
+
+
+def _unexpand(fn: str, input: Any, weight: Any, bias: Any) -> tuple[Any, Any, _Expanded | None]:
+    """The original parameters behind ExpandedWeight operands, and the operands; (weight, bias, None) otherwise."""
+    ew_type = _expanded_weight_type()
+    if ew_type is None or not (isinstance(weight, ew_type) or isinstance(bias, ew_type)):
+        return weight, bias, None
+    for name, t in (("weight", weight), ("bias", bias)):
+        if isinstance(t, torch.Tensor) and not isinstance(t, ew_type) and t.requires_grad:
+            raise ValueError(f"{fn}: {name} requires grad but is not an ExpandedWeight while another operand is; "
+                             f"ExpandedWeights needs every parameter expanded")
+    expanded = _Expanded(weight if isinstance(weight, ew_type) else None, bias if isinstance(bias, ew_type) else None)
+    unwrap = lambda t: t.orig_weight if isinstance(t, ew_type) else t  # noqa: E731
+    weight, bias = unwrap(weight), unwrap(bias)
+    if (isinstance(input, ew_type) or not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor)
+            or input.dim() != weight.dim()):
+        raise ValueError(f"{fn}: ExpandedWeights needs a batched input (N, C_in, *spatial), got input.shape="
+                         f"{tuple(getattr(input, 'shape', ()))} for weight.shape={tuple(weight.shape)}")
+    sizes = {ew.batch_size for ew in (expanded.weight, expanded.bias) if ew is not None}
+    if sizes != {input.shape[0]}:
+        raise ValueError(f"{fn}: ExpandedWeight batch size {sorted(sizes)} does not match the input's batch "
+                         f"{input.shape[0]}")
+    return weight, bias, expanded
+
+
 def _check_differentiation(fn: str, backend: Backend, **tensors: torch.Tensor) -> None:
     """In the backward of a backend autograd cannot see through: no transform, no second derivative."""
     _check_untraced(fn, backend, tensors, returns_gradients=False)
@@ -199,6 +277,7 @@ def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
            backend: str) -> torch.Tensor:
     b = get_backend(backend, fn)
+    weight, bias, expanded = _unexpand(fn, input, weight, bias)
     tensors = {"input": input, "weight": weight} | ({} if bias is None else {"bias": bias})
     for name, t in tensors.items():  # before autocast: an error names the dtype the user passed
         b.check_operand(fn, name, _check_tensor(fn, name, t))
@@ -220,6 +299,8 @@ def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         if spec.unbatched:
             return native_forward(spec, input.unsqueeze(0), weight, bias).squeeze(0)  # (C_out, *o)
         return native_forward(spec, input, weight, bias)
+    if expanded is not None:
+        return _ExpandedConvFunction.apply(input, weight, bias, spec, backend, expanded)  # (N, C_out, *o)
     function = _ConvCore if compiling else ConvFunction
     if spec.unbatched:
         return function.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)
