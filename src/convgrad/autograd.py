@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +38,12 @@ __all__ = [
 ]
 
 _weight_gradients_disabled = 0
+
+# TorchScript cannot compile a Python autograd.Function, so no convgrad convolution can be scripted
+SCRIPT_UNSUPPORTED = (
+    "{fn} cannot compile convgrad's convolutions: their backward is a Python autograd.Function, which TorchScript "
+    "cannot hold; use torch.compile or torch.export (or torch.jit.trace, which records the Function), or "
+    "convgrad.unpatch(model) before scripting to get torch's own convolutions back")
 
 
 @contextlib.contextmanager
@@ -131,6 +138,97 @@ class ConvFunction(_ConvCore):
         return tangent
 
 
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    """``t.shape`` as ints, also while torch.jit.trace records (it gives each size as a tensor there).
+
+    A traced call records the Function with its ConvSpec as a constant, so the trace holds these shapes anyway;
+    the tracer's warning about converting its sizes to ints would say nothing more.
+    """
+    if not torch.jit.is_tracing():
+        return tuple(t.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return tuple(int(v) for v in t.shape)
+
+
+class _Expanded:
+    """The ExpandedWeight operands of one call (torch.nn.utils._per_sample_grad, Opacus grad_sample_mode="ew"),
+    held in an object the Function's apply does not look into (each is a tensor subclass that refuses every op)."""
+
+    def __init__(self, weight: Any, bias: Any) -> None:
+        self.weight, self.bias = weight, bias
+
+
+class _ExpandedConvFunction(torch.autograd.Function):
+    """A convolution with ExpandedWeight operands: the forward as ConvFunction's; the backward gives grad_input
+    through the backend and, as torch's ExpandedWeights rules do, adds each per-sample gradient to the original
+    parameter's ``grad_sample`` (times the batch for loss_reduction="mean"), leaving ``.grad`` alone."""
+
+    @staticmethod
+    def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec, backend: str,
+                expanded: _Expanded) -> torch.Tensor:
+        return _ConvCore.forward(input, weight, bias, spec, backend)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        input, weight, _, spec, backend, expanded = inputs
+        ctx.save_for_backward(input, weight)
+        ctx.spec, ctx.backend, ctx.expanded = spec, backend, expanded
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        from convgrad.per_sample import per_sample_bias_grad, per_sample_weight_grad  # a layer above this one
+
+        input, weight = ctx.saved_tensors
+        spec, expanded = ctx.spec, ctx.expanded
+        gi = None
+        if ctx.needs_input_grad[0]:
+            gi, _ = get_backend(ctx.backend, "ConvFunction.backward").gradients(spec, grad_output, input, weight,
+                                                                                 True, False)
+        for ew, per_sample in ((expanded.weight, lambda: per_sample_weight_grad(
+                input, spec.weight_shape, grad_output, spec.stride, spec.padding, spec.dilation, spec.groups,
+                spec.transposed, spec.output_padding)), (expanded.bias, lambda: per_sample_bias_grad(grad_output))):
+            if ew is None:
+                continue
+            g = per_sample()  # (N, *param.shape)
+            if ew.loss_reduction == "mean":
+                g = g * ew.batch_size
+            param = ew.orig_weight
+            param.grad_sample = g if getattr(param, "grad_sample", None) is None else param.grad_sample + g
+        return gi, None, None, None, None, None
+
+
+def _expanded_weight_type() -> type | None:
+    try:  # private to torch, and absent from some builds
+        from torch.nn.utils._expanded_weights import ExpandedWeight
+    except ImportError:
+        return None
+    return ExpandedWeight
+
+
+def _unexpand(fn: str, input: Any, weight: Any, bias: Any) -> tuple[Any, Any, _Expanded | None]:
+    """The original parameters behind ExpandedWeight operands, and the operands; (weight, bias, None) otherwise."""
+    ew_type = _expanded_weight_type()
+    if ew_type is None or not (isinstance(weight, ew_type) or isinstance(bias, ew_type)):
+        return weight, bias, None
+    for name, t in (("weight", weight), ("bias", bias)):
+        if isinstance(t, torch.Tensor) and not isinstance(t, ew_type) and t.requires_grad:
+            raise ValueError(f"{fn}: {name} requires grad but is not an ExpandedWeight while another operand is; "
+                             f"ExpandedWeights needs every parameter expanded")
+    expanded = _Expanded(weight if isinstance(weight, ew_type) else None, bias if isinstance(bias, ew_type) else None)
+    unwrap = lambda t: t.orig_weight if isinstance(t, ew_type) else t  # noqa: E731
+    weight, bias = unwrap(weight), unwrap(bias)
+    if (isinstance(input, ew_type) or not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor)
+            or input.dim() != weight.dim()):
+        raise ValueError(f"{fn}: ExpandedWeights needs a batched input (N, C_in, *spatial), got input.shape="
+                         f"{tuple(getattr(input, 'shape', ()))} for weight.shape={tuple(weight.shape)}")
+    sizes = {ew.batch_size for ew in (expanded.weight, expanded.bias) if ew is not None}
+    if sizes != {input.shape[0]}:
+        raise ValueError(f"{fn}: ExpandedWeight batch size {sorted(sizes)} does not match the input's batch "
+                         f"{input.shape[0]}")
+    return weight, bias, expanded
+
+
 def _check_differentiation(fn: str, backend: Backend, **tensors: torch.Tensor) -> None:
     """In the backward of a backend autograd cannot see through: no transform, no second derivative."""
     _check_untraced(fn, backend, tensors, returns_gradients=False)
@@ -171,10 +269,21 @@ def _autocast(fn: str, backend: Backend, tensors: dict[str, Any]) -> dict[str, A
     return cast
 
 
+# torch.compile of a torch.func transform (grad, vjp, ...) differentiates the forward and drops the Function's own
+# backward (pytorch/pytorch#193279), so no_weight_gradients would be silently ignored: refuse instead. Without
+# fullgraph=True Dynamo then runs the call eagerly, where the backward is honoured.
+_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM = (
+    "{fn}: no_weight_gradients() cannot act under torch.compile of a torch.func transform (grad, vjp, jacrev, "
+    "...): the compiled transform differentiates the forward and skips convgrad's backward (pytorch/pytorch#193279), "
+    "so the weights would silently get gradients; compile without the transform (loss.backward() or "
+    "torch.autograd.grad inside torch.compile honour it), or run the transform eagerly")
+
+
 def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
            backend: str) -> torch.Tensor:
     b = get_backend(backend, fn)
+    weight, bias, expanded = _unexpand(fn, input, weight, bias)
     tensors = {"input": input, "weight": weight} | ({} if bias is None else {"bias": bias})
     for name, t in tensors.items():  # before autocast: an error names the dtype the user passed
         b.check_operand(fn, name, _check_tensor(fn, name, t))
@@ -182,10 +291,22 @@ def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     input, weight, bias = tensors["input"], tensors["weight"], tensors.get("bias")
     _check_tensors(fn, b, results_in_graph=True, **tensors)
     compiling = torch.compiler.is_compiling()
+    transformed = compiling and torch._C._are_functorch_transforms_active()
+    if transformed and _weight_gradients_disabled:
+        raise ValueError(_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM.format(fn=fn))
     make = ConvSpec._validated if compiling else ConvSpec.from_shapes  # Dynamo breaks the graph on from_shapes's memo
-    spec = make(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding, groups, fn=fn)
-    if bias is not None and tuple(bias.shape) != (spec.out_channels,):
-        raise ValueError(f"{fn}: bias.shape={tuple(bias.shape)} must be (out_channels,)=({spec.out_channels},)")
+    spec = make(shape_of(input), shape_of(weight), stride, padding, dilation, transposed, output_padding, groups,
+                fn=fn)
+    if bias is not None and shape_of(bias) != (spec.out_channels,):
+        raise ValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
+    if transformed:
+        # Dynamo differentiates the forward of a transformed Function anyway (pytorch/pytorch#193279), and cannot
+        # vmap its wrapper (ApplyTemplate) where one conv feeds another: trace the forward itself
+        if spec.unbatched:
+            return native_forward(spec, input.unsqueeze(0), weight, bias).squeeze(0)  # (C_out, *o)
+        return native_forward(spec, input, weight, bias)
+    if expanded is not None:
+        return _ExpandedConvFunction.apply(input, weight, bias, spec, backend, expanded)  # (N, C_out, *o)
     function = _ConvCore if compiling else ConvFunction
     if spec.unbatched:
         return function.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)
@@ -289,3 +410,9 @@ def _fixed_rank(n: int, transposed: bool) -> Any:
 
 conv1d, conv2d, conv3d = (_fixed_rank(n, False) for n in (1, 2, 3))
 conv_transpose1d, conv_transpose2d, conv_transpose3d = (_fixed_rank(n, True) for n in (1, 2, 3))
+
+# torch.jit.script(f) raises "TorchScript error: <this>" for a function carrying it (as torch.autocast's decorator
+# does), and so does scripting code that calls one
+for _f in (conv, conv_transpose, conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d):
+    setattr(_f, "__script_unsupported", SCRIPT_UNSUPPORTED.format(fn=f"{_f.__name__}: torch.jit.script"))
+del _f

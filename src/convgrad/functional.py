@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from convgrad._ops import bias_grad
-from convgrad.backends import Backend, get_backend, traceable_names
+from convgrad.backends import Backend, backend_names, get_backend, traceable_names
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, _ntuple, check_bias_sizes, check_output_mask
 
 __all__ = [
@@ -34,6 +34,10 @@ __all__ = [
 ]
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+# Register every built-in backend now, at import, not on the first lookup: torch.compile traces that lookup, and
+# Dynamo cannot trace the imports it would run (a fresh process's first compiled conv failed on __import__).
+backend_names()
 
 
 def _check_tensor(fn: str, name: str, t: Any) -> torch.Tensor:

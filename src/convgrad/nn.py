@@ -24,7 +24,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch import Tensor
 
 from convgrad._ops import pad
-from convgrad.autograd import _apply
+from convgrad.autograd import SCRIPT_UNSUPPORTED, _apply, shape_of
 from convgrad.backends import get_backend
 from convgrad.spec import ConvSpec
 
@@ -73,14 +73,16 @@ class _ConvgradMixin:
         """The module's class as the user knows it, for error messages: ``Conv2d`` for a patched
         torch.nn.Conv2d, not the generated ``PatchedConv2d`` (nor a parametrization's class)."""
         cls = _layers(self)[0]  # type: ignore[arg-type]
-        return vars(cls).get("_convgrad_patched_from", cls).__name__
+        # getattr, not vars(cls): torch.compile refuses a class's mappingproxy once the trace mutated a dict
+        # (functional_call swapping parameters); only patch()'s generated classes define the attribute
+        return getattr(cls, "_convgrad_patched_from", cls).__name__
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Forward conv through convgrad; non-zero padding modes pad explicitly by the spec's (lo, hi) pairs."""
         name, padding = self._name(), self.padding
         if self.padding_mode != "zeros":
             # the pads of 'same' depend on the input size, so they come from the spec at call time
-            spec = ConvSpec.from_shapes(input.shape, weight.shape, self.stride, self.padding, self.dilation,
+            spec = ConvSpec.from_shapes(shape_of(input), shape_of(weight), self.stride, self.padding, self.dilation,
                                         groups=self.groups, fn=name)
             input = pad(input, spec.padding, mode=self.padding_mode)  # (N, C_in, *(i + p_lo + p_hi))
             padding = 0
@@ -102,6 +104,11 @@ class _ConvgradMixin:
             input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation)
         return _apply(name, input, self.weight, self.bias, self.stride, self.padding, self.dilation, True,
                       output_padding, self.groups, self.backend)
+
+    def __prepare_scriptable__(self) -> Any:
+        """torch.jit.script calls this first: refuse with the ways that work (a TorchScript graph cannot hold the
+        Python backward of convgrad's autograd.Function)."""
+        raise TypeError(SCRIPT_UNSUPPORTED.format(fn=f"{self._name()}: torch.jit.script"))
 
     def extra_repr(self) -> str:
         s: str = super().extra_repr()  # type: ignore[misc]

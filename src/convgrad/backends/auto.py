@@ -345,7 +345,9 @@ class AutoBackend(Backend):
 
     def _grad(self, spec: ConvSpec, gradient: str, call: Gradient, grad_output: torch.Tensor,
               operand: torch.Tensor) -> torch.Tensor:
-        if _mode == "fixed" or (_mode is None and get_mode() == "fixed"):
+        if torch.compiler.is_compiling() or _mode == "fixed" or (_mode is None and get_mode() == "fixed"):
+            # while torch.compile traces, as for both gradients (_tuning): no tuning, no lookup of a choice by a key
+            # (torch.get_num_threads in it is untraceable), and no eager timing decides what a graph computes
             return call(get_backend(FIXED_CHOICE), spec, spec.batch)
         key = _key(spec, gradient, grad_output)
         known = _choices.lookup(key)

@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import math
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -245,6 +246,14 @@ def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
                 chosen, reason)
 
 
+def _planned(planner: Any, spec: ConvSpec, *method: str | None) -> Plan:
+    """``planner(spec, *method)`` through its lru_cache; while torch.compile traces, the uncached function: Dynamo
+    traces through the cache anyway, and warns about it ("Silent incorrectness is only a potential risk")."""
+    if torch.compiler.is_compiling():
+        return planner.__wrapped__(spec, *method)  # type: ignore[no-any-return]
+    return planner(spec, *method)  # type: ignore[no-any-return]
+
+
 @register
 class FwdConvBackend(Backend):
     """Forward convolutions, pads, flips and reshapes only; never a convolution_backward."""
@@ -254,10 +263,10 @@ class FwdConvBackend(Backend):
 
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         # torch's complex convention: the gradient pairs grad_output with conj(weight) (a no-op for real dtypes)
-        return execute(plan_input_grad(spec), grad_output, weight.conj())
+        return execute(_planned(plan_input_grad, spec), grad_output, weight.conj())
 
     def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         input = input.conj()  # torch's complex convention, as in input_grad
         x, y = (grad_output, input) if spec.transposed else (input, grad_output)
 
-        return execute(plan_weight_grad(spec, fwdconv_weight.im2col_weight_method(spec, grad_output)), x, y)
+        return execute(_planned(plan_weight_grad, spec, fwdconv_weight.im2col_weight_method(spec, grad_output)), x, y)
