@@ -37,6 +37,7 @@ PHASE_CASES = [
     Case((2, 3, 10, 9), (4, 3, 7, 7), stride=2, padding=3, name="stem-like-7x7-s2"),
     Case((2, 1, 31), (4, 1, 10), stride=5, name="wav2vec-like-k10-s5"),
     Case((1, 1, 1), (1, 1, 3), stride=2, padding=((3, 0),), name="cropping-x-first-would-empty-it"),
+    Case((2, 2, 23), (3, 2, 4), stride=5, dilation=2, padding=1, name="s5-d2-inverse-of-d-is-not-d"),
 ]
 
 
@@ -53,6 +54,8 @@ def _spec(input_shape: tuple[int, ...], weight_shape: tuple[int, ...], **kw: Any
     (_spec((8, 256, 56, 56), (512, 256, 1, 1), stride=2), "polyphase"),
     (_spec((4, 1, 16000), (512, 1, 10), stride=5), "subpixel"),
     (_spec((2, 4, 9), (3, 4, 3), stride=2, dilation=3), "polyphase"),  # d does not divide s: no sub-pixel
+    (_spec((2, 15, 9, 9), (8, 15, 3, 3), stride=2), "subpixel"),  # below SUBPIXEL_MAX_CHANNELS = 16
+    (_spec((2, 16, 9, 9), (8, 16, 3, 3), stride=2), "polyphase"),
 ], ids=lambda v: v if isinstance(v, str) else v.describe())
 def test_input_rules_pick_the_expected_formulation(spec: ConvSpec, method: str) -> None:
     assert plan_input_grad(spec).method == method
