@@ -198,7 +198,8 @@ class _ExpandedConvFunction(torch.autograd.Function):
         return gi, None, None, None, None, None
 
 
-def _expanded_weight_type() -> type | None:
+def _expanded_weight_type() -> Any:
+    """torch's ExpandedWeight class, or None; typed Any: its orig_weight and batch_size are not in torch's stubs."""
     try:  # private to torch, and absent from some builds
         from torch.nn.utils._expanded_weights import ExpandedWeight
     except ImportError:
