@@ -116,9 +116,9 @@ _ConvCore.forward.__signature__ = inspect.signature(_ConvCore.forward)  # type: 
 class ConvFunction(_ConvCore):
     """conv / conv_transpose (per ``spec.transposed``) with a native forward and an explicit backward.
 
-    ``apply(input, weight, bias, spec, backend)`` with batched tensors and a [`ConvSpec`][convgrad.autograd.ConvSpec].
+    ``apply(input, weight, bias, spec, backend)`` with batched tensors and a ``ConvSpec``.
     torch.func.vmap uses the generated rule; forward-mode AD (torch.func.jvp) uses the bilinearity
-    of the convolution. Under torch.compile, [`conv`][convgrad.autograd.conv] applies the jvp-free parent instead.
+    of the convolution. Under torch.compile, ``conv`` applies the jvp-free parent instead.
     """
 
     @staticmethod
@@ -331,9 +331,9 @@ def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         ``(N, C_out, *out)`` with ``out = floor((i + p_lo + p_hi - d(k-1) - 1)/s) + 1`` per dim.
 
     Raises:
-        TypeError, ValueError: as [`convgrad.conv_backward`][convgrad.functional.conv_backward].
+        TypeError, ValueError: as ``convgrad.conv_backward``.
 
-    Source: docs/derivation.md; higher derivatives come from autograd through the backward.
+    Source: the docs' "Derivation" page; higher derivatives come from autograd through the backward.
 
     Examples:
         >>> import torch, convgrad as cg
@@ -367,9 +367,9 @@ def conv_transpose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         ``(N, C_out, *out)`` with ``out = (i-1)s - p_lo - p_hi + d(k-1) + output_padding + 1`` per dim.
 
     Raises:
-        TypeError, ValueError: as [`convgrad.conv_backward`][convgrad.functional.conv_backward].
+        TypeError, ValueError: as ``convgrad.conv_backward``.
 
-    Source: docs/derivation.md, "transposed convolutions".
+    Source: the docs' "Derivation" page, "transposed convolutions".
 
     Examples:
         >>> import torch, convgrad as cg
@@ -404,7 +404,7 @@ def _fixed_rank(n: int, transposed: bool) -> Any:
 
     f.__name__ = f.__qualname__ = name
     base = "conv_transpose" if transposed else "conv"
-    f.__doc__ = (f"torch.nn.functional.{name} with backend=; see [`convgrad.{base}`][convgrad.autograd.{base}] "
+    f.__doc__ = (f"torch.nn.functional.{name} with backend=; see ``convgrad.{base}`` "
                  f"for shapes, errors and the source.")
     return f
 

@@ -1,10 +1,10 @@
 """The explicit convolution gradients: conv_backward and the torch.nn.grad-compatible helpers.
 
-Each function validates its arguments into a [`ConvSpec`][convgrad.spec.ConvSpec],
+Each function validates its arguments into a ``ConvSpec``,
 checks the tensors against it (dtype, device, shapes) and hands both to a
 backend. Every result is built from differentiable ops (except backend="numpy"),
 so gradients of any order follow from autograd. The derivations are in
-docs/derivation.md.
+the docs' "Derivation" page.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _check_tensors(fn: str, backend: Backend, *, results_in_graph: bool = False,
     """Type, dtype and device checks shared by every entry point, and what the backend accepts.
 
     ``results_in_graph``: the gradients reach the user through autograd (the backward of
-    [`conv`][convgrad.autograd.conv]), not as the return value of a function of this module.
+    ``conv``), not as the return value of a function of this module.
     """
     checked = {name: _check_tensor(fn, name, t) for name, t in tensors.items()}
     (first, ref), *rest = checked.items()
@@ -160,7 +160,7 @@ def conv_backward(
             with ``"numpy"``: a non-CPU device, tensors that require grad (the results would be detached) or
             that come from a torch.func transform.
 
-    Source: docs/derivation.md (grad_input is a transposed convolution, grad_weight a correlation).
+    Source: the docs' "Derivation" page (grad_input is a transposed convolution, grad_weight a correlation).
 
     Examples:
         >>> import torch, convgrad as cg
@@ -190,7 +190,7 @@ def conv_input_grad(input_size: Sequence[int], weight: torch.Tensor, grad_output
         input_size: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; the shape of the conv's input.
         weight: ``(C_out, C_in/groups, *k)``; floating dtype.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as weight.
-        stride, padding, dilation, groups: as in [`conv_backward`][convgrad.functional.conv_backward]
+        stride, padding, dilation, groups: as in ``conv_backward``
             (defaults 1, 0, 1, 1).
         backend: one of ``convgrad.backends()`` (default ``"auto"``).
 
@@ -198,9 +198,9 @@ def conv_input_grad(input_size: Sequence[int], weight: torch.Tensor, grad_output
         grad_input of shape ``input_size``.
 
     Raises:
-        TypeError, ValueError: as [`conv_backward`][convgrad.functional.conv_backward].
+        TypeError, ValueError: as ``conv_backward``.
 
-    Source: docs/derivation.md, "grad_input": zero-insert by s, pad by (d(k-1)-p_lo, d(k-1)-p_hi+r),
+    Source: the docs' "Derivation" page, "grad_input": zero-insert by s, pad by (d(k-1)-p_lo, d(k-1)-p_hi+r),
     convolve with the flipped, channel-swapped kernel.
 
     Examples:
@@ -227,7 +227,7 @@ def conv_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad_outpu
         input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; floating dtype.
         weight_size: ``(C_out, C_in/groups, *k)``.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as input.
-        stride, padding, dilation, groups: as in [`conv_backward`][convgrad.functional.conv_backward]
+        stride, padding, dilation, groups: as in ``conv_backward``
             (defaults 1, 0, 1, 1).
         backend: one of ``convgrad.backends()`` (default ``"auto"``).
 
@@ -235,9 +235,9 @@ def conv_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad_outpu
         grad_weight of shape ``weight_size``.
 
     Raises:
-        TypeError, ValueError: as [`conv_backward`][convgrad.functional.conv_backward].
+        TypeError, ValueError: as ``conv_backward``.
 
-    Source: docs/derivation.md, "grad_weight": the padded input convolved with grad_output as the
+    Source: the docs' "Derivation" page, "grad_weight": the padded input convolved with grad_output as the
     kernel, batch and channels swapped, stride and dilation swapped.
 
     Examples:
@@ -272,9 +272,9 @@ def conv_transpose_input_grad(input_size: Sequence[int], weight: torch.Tensor, g
         grad_input of shape ``input_size``.
 
     Raises:
-        TypeError, ValueError: as [`conv_backward`][convgrad.functional.conv_backward].
+        TypeError, ValueError: as ``conv_backward``.
 
-    Source: docs/derivation.md, "transposed convolutions".
+    Source: the docs' "Derivation" page, "transposed convolutions".
 
     Examples:
         >>> import torch, convgrad as cg
@@ -301,16 +301,16 @@ def conv_transpose_weight_grad(input: torch.Tensor, weight_size: Sequence[int], 
         weight_size: ``(C_in, C_out/groups, *k)``.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as input.
         stride, padding, output_padding, groups, dilation: as
-            [`conv_transpose_input_grad`][convgrad.functional.conv_transpose_input_grad].
+            ``conv_transpose_input_grad``.
         backend: one of ``convgrad.backends()`` (default ``"auto"``).
 
     Returns:
         grad_weight of shape ``weight_size``.
 
     Raises:
-        TypeError, ValueError: as [`conv_backward`][convgrad.functional.conv_backward].
+        TypeError, ValueError: as ``conv_backward``.
 
-    Source: docs/derivation.md, "transposed convolutions".
+    Source: the docs' "Derivation" page, "transposed convolutions".
 
     Examples:
         >>> import torch, convgrad as cg
@@ -340,7 +340,7 @@ def conv_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
         TypeError: grad_output is not a floating tensor.
         ValueError: grad_output has fewer than 3 dims.
 
-    Source: docs/derivation.md, "grad_bias".
+    Source: the docs' "Derivation" page, "grad_bias".
 
     Examples:
         >>> import torch, convgrad as cg
@@ -375,7 +375,7 @@ def _make_nn_grad(n: int) -> tuple[Any, Any]:
     for f, kind, what in ((input_fn, "input", "grad_input"), (weight_fn, "weight", "grad_weight")):
         f.__name__ = f.__qualname__ = f"conv{n}d_{kind}"
         f.__doc__ = (f"{what} of a {n}d convolution; torch.nn.grad.conv{n}d_{kind}'s signature, backend 'auto'.\n\n"
-                     f"See [`convgrad.conv_{kind}_grad`][convgrad.functional.conv_{kind}_grad] "
+                     f"See ``convgrad.conv_{kind}_grad`` "
                      "for shapes, dtypes, errors and the source.")
     return input_fn, weight_fn
 

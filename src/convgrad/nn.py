@@ -1,11 +1,11 @@
 """Drop-in conv modules whose backward runs through a convgrad backend, and patch()/unpatch().
 
 ``convgrad.nn.Conv2d`` *is a* ``torch.nn.Conv2d`` (same constructor, parameters,
-state_dict and repr) plus ``backend=``; its forward calls [`convgrad.conv`][convgrad.autograd.conv].
+state_dict and repr) plus ``backend=``; its forward calls ``convgrad.conv``.
 One mixin, ``_ConvgradMixin``, holds all the behaviour; the six public classes
 only combine it with their torch base.
 
-[`patch`][convgrad.nn.patch] gives an existing model the same behaviour without rebuilding it: it
+``patch`` gives an existing model the same behaviour without rebuilding it: it
 swaps each conv module's ``__class__`` for a generated subclass that puts the mixin
 right above the torch base, so every Parameter, buffer, hook and optimizer entry
 stays the very same object, a user subclass's own ``forward`` still runs first,
@@ -171,11 +171,11 @@ def _doc(n: int, transposed: bool) -> str:
 
     Raises:
         ValueError, TypeError: torch's constructor errors; an unknown backend; at forward time, the
-            errors of [`convgrad.conv`][convgrad.autograd.conv] (or
-            [`convgrad.conv_transpose`][convgrad.autograd.conv_transpose] for the transposed modules),
+            errors of ``convgrad.conv`` (or
+            ``convgrad.conv_transpose`` for the transposed modules),
             named after the module (``{name}: ...``).
 
-    Source: docs/derivation.md; torch/nn/modules/conv.py for the constructor and output_size rule.
+    Source: the docs' "Derivation" page; torch/nn/modules/conv.py for the constructor and output_size rule.
 
     Examples:
         >>> import torch, convgrad as cg
@@ -316,7 +316,7 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo [`patch`][convgrad.nn.patch]: give every patched module its original class back, in place.
+    """Undo ``patch``: give every patched module its original class back, in place.
 
     Modules built as ``convgrad.nn`` classes are not patches and stay as they are.
 

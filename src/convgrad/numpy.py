@@ -8,9 +8,9 @@ A = C_y/g, B = (C_x/g)*T with T = prod(k) taps, M = N*P with P = prod(o) positio
     grad of x   einsum('gab,gam->gbm', w, y)           [g, B, A] @ [g, A, M], then fold (col2im) into x
 Each einsum runs as np.matmul on the stacked (g, ., .) matrices, so BLAS does the work.
 A forward conv maps x -> y; a transposed conv maps y -> x, so its output is the
-"grad of x" contraction of its input (docs/derivation.md).
+"grad of x" contraction of its input (the docs' "Derivation" page).
 
-Shapes come from [`convgrad.spec.ConvSpec`][convgrad.spec.ConvSpec], which imports no torch either, so
+Shapes come from ``convgrad.spec.ConvSpec``, which imports no torch either, so
 this module runs where torch is not installed. The public functions mirror
 torch's names and argument order (DESIGN.md, section 6); ``forward`` and
 ``backward`` take a ready ConvSpec and batched arrays (the "numpy" backend uses them).
@@ -57,7 +57,7 @@ def conv(input: Array, weight: Array, bias: Array | None = None, stride: IntOrTu
 
     Source: K. Chellapilla, S. Puri, P. Simard, "High Performance Convolutional Neural Networks for
     Document Processing" (2006): unfolded into columns, the input makes the convolution one matrix
-    product; docs/derivation.md, "Notation: the forward geometry", for the shapes.
+    product; the docs' "Derivation" page, "Notation: the forward geometry", for the shapes.
 
     Examples:
         >>> import numpy as np, convgrad.numpy as cgn
@@ -87,9 +87,9 @@ def conv_transpose(input: Array, weight: Array, bias: Array | None = None, strid
         ``(N, C_out, *out)`` (``(C_out, *out)`` if unbatched), ``out = (i-1)s - p_lo - p_hi + d(k-1) + op + 1``.
 
     Raises:
-        TypeError, ValueError: as [`conv`][convgrad.numpy.conv].
+        TypeError, ValueError: as ``conv``.
 
-    Source: docs/derivation.md, "Transposed convolutions": the adjoint of the forward conv, here
+    Source: the docs' "Derivation" page, "Transposed convolutions": the adjoint of the forward conv, here
     w^T times the input's matrix folded back (col2im) as in Chellapilla et al. (2006).
 
     Examples:
@@ -113,17 +113,17 @@ def conv_backward(grad_output: Array, input: Array, weight: Array, bias_sizes: S
         input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``, same dtype.
         weight: ``(C_out, C_in/groups, *k)``, or ``(C_in, C_out/groups, *k)`` when ``transposed``.
         bias_sizes: None or ``[C_out]`` (default None); grad_bias is returned whenever ``output_mask[2]``.
-        stride, padding, dilation, transposed, output_padding, groups: as in [`conv`][convgrad.numpy.conv] and
-            [`conv_transpose`][convgrad.numpy.conv_transpose] (defaults 1, 0, 1, False, 0, 1).
+        stride, padding, dilation, transposed, output_padding, groups: as in ``conv`` and
+            ``conv_transpose`` (defaults 1, 0, 1, False, 0, 1).
         output_mask: three bools (default all True); a masked gradient is None and not computed.
 
     Returns:
         ``(grad_input, grad_weight, grad_bias)`` of shapes ``input.shape``, ``weight.shape`` and ``(C_out,)``.
 
     Raises:
-        TypeError, ValueError: as [`conv`][convgrad.numpy.conv]; also a grad_output whose shape is not the output's.
+        TypeError, ValueError: as ``conv``; also a grad_output whose shape is not the output's.
 
-    Source: docs/derivation.md, "grad_input of a forward convolution", "grad_weight" and "Transposed
+    Source: the docs' "Derivation" page, "grad_input of a forward convolution", "grad_weight" and "Transposed
     convolutions", in the matrix form of Chellapilla et al. (2006): grad_weight = y x cols^T,
     grad_input = col2im(w^T x y).
 
@@ -160,7 +160,7 @@ def forward(spec: ConvSpec, input: Array, weight: Array, bias: Array | None = No
     """The convolution that spec describes, on batched arrays already checked against it.
 
     Args:
-        spec: a validated [`ConvSpec`][convgrad.spec.ConvSpec] (forward or transposed).
+        spec: a validated ``ConvSpec`` (forward or transposed).
         input: ``spec.input_shape``, float32 or float64.
         weight: ``spec.weight_shape``, same dtype.
         bias: ``(C_out,)`` or None (default).
@@ -168,7 +168,7 @@ def forward(spec: ConvSpec, input: Array, weight: Array, bias: Array | None = No
     Returns:
         ``spec.output_shape``, a new contiguous array of the input's dtype.
 
-    Source: as [`conv`][convgrad.numpy.conv] and [`conv_transpose`][convgrad.numpy.conv_transpose], which check their
+    Source: as ``conv`` and ``conv_transpose``, which check their
     arguments and call this.
 
     Examples:
@@ -192,7 +192,7 @@ def backward(spec: ConvSpec, grad_output: Array, input: Array | None, weight: Ar
     """grad_input and grad_weight of the convolution that spec describes, on batched arrays.
 
     Args:
-        spec: a validated [`ConvSpec`][convgrad.spec.ConvSpec] (forward or transposed).
+        spec: a validated ``ConvSpec`` (forward or transposed).
         grad_output: ``spec.output_shape``, float32 or float64.
         input: ``spec.input_shape``, same dtype; only read when ``need_weight``.
         weight: ``spec.weight_shape``, same dtype; only read when ``need_input``.
@@ -202,7 +202,7 @@ def backward(spec: ConvSpec, grad_output: Array, input: Array | None, weight: Ar
         ``(grad_input, grad_weight)`` of shapes ``spec.input_shape`` and ``spec.weight_shape``; None where
         not needed.
 
-    Source: as [`conv_backward`][convgrad.numpy.conv_backward], which checks its arguments and calls this.
+    Source: as ``conv_backward``, which checks its arguments and calls this.
 
     Examples:
         >>> import numpy as np

@@ -73,7 +73,7 @@ def grad_sampler(module: nn.Module, activations: list[torch.Tensor],
     Returns:
         ``{param: (N, *param.shape)}`` for the trainable weight and bias.
 
-    Source: docs/per_sample.md ("Opacus"); Opacus's ``register_grad_sampler`` contract.
+    Source: the docs' "Per-sample gradients and DP-SGD" guide ("Opacus"); Opacus's ``register_grad_sampler`` contract.
 
     Examples:
         >>> import torch, convgrad.opacus
@@ -92,12 +92,13 @@ def norm_sampler(module: nn.Module, activations: list[torch.Tensor],
     """Opacus norm sampler (ghost clipping): each trainable parameter's per-sample gradient norm, not squared.
 
     Args:
-        module, activations, backprops: as for [grad_sampler][convgrad.opacus.grad_sampler].
+        module, activations, backprops: as for ``grad_sampler``.
 
     Returns:
         ``{param: (N,)}`` for the trainable weight and bias; the norm over both is the layer's norm.
 
-    Source: docs/per_sample.md ("ghost norms"); Opacus's ``register_norm_sampler`` contract.
+    Source: the docs' "Per-sample gradients and DP-SGD" guide ("ghost norms");
+    Opacus's ``register_norm_sampler`` contract.
 
     Examples:
         >>> import torch, convgrad.opacus
@@ -170,19 +171,19 @@ _OURS = {"grad": grad_sampler, "norm": norm_sampler}
 def register() -> None:
     """Install convgrad's conv rules in Opacus, for ``grad_sample_mode="hooks"`` and ``"ghost"``.
 
-    Registers [grad_sampler][convgrad.opacus.grad_sampler] and [norm_sampler][convgrad.opacus.norm_sampler]
+    Registers ``grad_sampler`` and ``norm_sampler``
     for Conv1d/2d/3d and ConvTranspose1d/2d/3d of torch.nn, of convgrad.nn, and the classes
     ``convgrad.patch`` gives them, and wraps Opacus's ghost-clipping forward hook so that a conv
     called several times in one forward is clipped exactly (see the module doc). Call it before
     Opacus wraps the model (``make_private``, ``GradSampleModule``): the wrapper decides at that
     moment which layers run through functorch, and binds its hooks.
     The entries found before the first call are kept for
-    [unregister][convgrad.opacus.unregister]; calling it again changes nothing else.
+    ``unregister``; calling it again changes nothing else.
 
     Raises:
         ModuleNotFoundError: Opacus is not installed.
 
-    Source: docs/per_sample.md ("Opacus").
+    Source: the docs' "Per-sample gradients and DP-SGD" guide ("Opacus").
 
     Examples:
         >>> import torch, convgrad.opacus
@@ -209,7 +210,7 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Put back the Opacus entries that [register][convgrad.opacus.register] replaced.
+    """Put back the Opacus entries that ``register`` replaced.
 
     Types that had an entry get it back; types that had none lose ours; Opacus's ghost-clipping
     forward hook is its own again. An entry that someone replaced after ``register()`` is left as it
@@ -220,7 +221,7 @@ def unregister() -> None:
     Raises:
         ModuleNotFoundError: Opacus is not installed.
 
-    Source: docs/per_sample.md ("Opacus").
+    Source: the docs' "Per-sample gradients and DP-SGD" guide ("Opacus").
 
     Examples:
         >>> import torch, convgrad.opacus

@@ -17,7 +17,7 @@ y -> x (y is its input, x its output). The leftover
 
 counts the trailing rows of ``x_pad`` that no output reads. For a forward conv
 ``r < s``; for a transposed conv ``r`` equals ``output_padding`` (which may reach
-``s`` or more when ``d > s``). The derivations are in docs/derivation.md.
+``s`` or more when ``d > s``). The derivations are in the docs' "Derivation" page.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def tap_rows(size: int, rows: int, offset: int, reach: int) -> tuple[int, int, i
         ``(first, stop, data_first)``: the output rows first..stop-1 read a data row, the first of them
         row data_first. ``first >= stop`` when the tap reads no data row at all.
 
-    Source: the polyphase form in docs/derivation.md (fwdconv's ``DepthwiseTaps`` sums the taps this way).
+    Source: the polyphase form in the docs' "Derivation" page (fwdconv's ``DepthwiseTaps`` sums the taps this way).
 
     Examples:
         >>> tap_rows(size=4, rows=4, offset=-1, reach=0)   # padding 1 before: row 0 reads nothing
@@ -227,7 +227,7 @@ _SPECS: dict[tuple[Any, ...], ConvSpec] = {}
 class ConvSpec:
     """Validated hyperparameters and shapes of one (forward or transposed) convolution.
 
-    Build it with [`ConvSpec.from_shapes`][convgrad.spec.ConvSpec.from_shapes]. All sizes are user-facing: ``input``
+    Build it with ``ConvSpec.from_shapes``. All sizes are user-facing: ``input``
     is what the convolution reads, ``output`` what it produces; for a transposed
     conv these are the small and the big side respectively.
     """
@@ -580,7 +580,7 @@ class ConvSpec:
 
         Tap t = s*q + rho meets x_read[s*(j + q) + rho], which is row j + q of phase rho (the rows rho::s):
         each of the s phases is read by a stride-1 conv with Q = ceil(k/s) taps over U = o + Q - 1 rows, so
-        x is padded by ``pads``, x_read_pads with the high side grown to s*U rows (docs/derivation.md).
+        x is padded by ``pads``, x_read_pads with the high side grown to s*U rows (the docs' "Derivation" page).
 
         Returns:
             tuple of (Q, U, (lo, hi)) per spatial dim.

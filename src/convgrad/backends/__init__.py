@@ -1,11 +1,11 @@
 """Registry of the ways to compute a convolution's backward.
 
 A backend is a class with ``input_grad`` and ``weight_grad`` (and optionally a
-fused ``backward``) that receives a validated [`ConvSpec`][convgrad.spec.ConvSpec]
+fused ``backward``) that receives a validated ``ConvSpec``
 and batched tensors, never raw user arguments. Adding a backend means adding a
-file here that defines a subclass of [`Backend`][convgrad.backends.Backend] decorated with
-[`register`][convgrad.backends.register], and importing it in ``_load_builtin``. Callers go through
-[`Backend.gradients`][convgrad.backends.Backend.gradients], which returns each gradient in the memory format
+file here that defines a subclass of ``Backend`` decorated with
+``register``, and importing it in ``_load_builtin``. Callers go through
+``Backend.gradients``, which returns each gradient in the memory format
 torch's own backward gives it (``layout.py``), so that no backend has to get layouts right by itself.
 """
 

@@ -135,7 +135,7 @@ def execute(p: ChunkPlan, grad_output: torch.Tensor, input: torch.Tensor | None,
     gw = None
     if gws:
         # half precision sums the chunks in float32, as native's kernel sums the batch: a bfloat16 running sum
-        # stalls at 256 chunks' worth (docs/numerics.md, "Half precision")
+        # stalls at 256 chunks' worth (the docs' "Numerics" page, "Half precision")
         low = gws[0].dtype in (torch.float16, torch.bfloat16)
         for g in gws:
             g = g.float() if low else g

@@ -12,7 +12,7 @@ Stride and dilation by a polyphase split (``ConvSpec.fft_phases``): tap t reads 
 of phase phi, with t*d = s*q + phi. Each live phase is read by a stride-1 correlation; the phases become
 channels of x, each tap a slot (phase, q) of the kernel, so the sum over phases is part of the per-bin
 contraction. No output is computed in full and then subsampled. Transform lengths are 5-smooth and at least
-the U rows of a phase, which the stride-1 correlation needs without wrap-around (docs/derivation.md).
+the U rows of a phase, which the stride-1 correlation needs without wrap-around (the docs' "Derivation" page).
 
 A gradient is a plan (``plan``: shapes only, the steps ``explain`` shows) run by ``execute``. Work is chunked
 over groups and samples (``ConvSpec.fft_chunks``) so that one chunk's spectra hold about a quarter of the
@@ -384,7 +384,7 @@ def worth_trying(spec: ConvSpec) -> bool:
 
 # ---- the error bound ------------------------------------------------------------------------------------------
 # Roundings per transform level (Higham's eta, about 6u with exact twiddles) times the three transforms of a
-# product, plus the per-bin product and its sum: docs/numerics.md derives it.
+# product, plus the per-bin product and its sum: the docs' "Numerics" page derives it.
 BOUND_UNITS = 20.0
 
 
@@ -409,7 +409,7 @@ def normwise_bound(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, gr
     Returns:
         ``{"grad_input": float, "grad_weight": float}``.
 
-    Source: Higham, *Accuracy and Stability of Numerical Algorithms* (2002), section 24.1; docs/numerics.md.
+    Source: Higham, *Accuracy and Stability of Numerical Algorithms* (2002), section 24.1; the docs' "Numerics" page.
     """
     x, y = (grad_output, input) if spec.transposed else (input, grad_output)
     g, n = spec.groups, spec.batch

@@ -1,7 +1,7 @@
 """The faster steps of the fwdconv plans: matmuls and folds (forward convolutions only); phases are in
 fwdconv_phases.py.
 
-Contractions, per group (x: big side, y: small side; DESIGN.md, docs/derivation.md):
+Contractions, per group (x: big side, y: small side; DESIGN.md, the docs' "Derivation" page):
     matmul      a conv whose kernel is 1x1, or covers its whole input:  [B, I] x [I, O] -> [B, O]
     folds       batch into groups (per-sample convs, summed), taps into the batch (im2col by taps),
                 dilation blocks into channels (space-to-depth): same sums, friendlier conv shapes

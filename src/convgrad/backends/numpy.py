@@ -1,6 +1,6 @@
-"""The numpy backend: torch CPU tensors in, [`convgrad.numpy`][convgrad.numpy] computes, tensors out.
+"""The numpy backend: torch CPU tensors in, ``convgrad.numpy`` computes, tensors out.
 
-Contraction: that of [`convgrad.numpy`][convgrad.numpy] (im2col and one matmul per group). The
+Contraction: that of ``convgrad.numpy`` (im2col and one matmul per group). The
 tensors are viewed as arrays without a copy (``Tensor.numpy()``) and the results
 are wrapped back with ``torch.from_numpy``. NumPy sees no autograd graph, so this
 backend is not differentiable: a second derivative through it, a torch.func transform, or

@@ -195,7 +195,8 @@ def native_backend(
         TypeError: tensors mixed with sizes, dtype/device given with tensors, a non-floating dtype.
         ValueError: invalid hyperparameters or shapes (as ``convgrad.ConvSpec``).
 
-    Source: ``select_conv_backend`` in aten/src/ATen/native/Convolution.cpp; docs/how-do-i.md, the first question.
+    Source: ``select_conv_backend`` in aten/src/ATen/native/Convolution.cpp;
+    the docs' "How do I..." page, the first question.
 
     Examples:
         >>> import torch, convgrad as cg

@@ -376,7 +376,7 @@ def explain(
             or one that cannot serve the configuration (sub-pixel needs the dilation to divide the stride,
             blocks needs stride 1, phases dilation 1).
 
-    Source: docs/derivation.md.
+    Source: the docs' "Derivation" page.
 
     Examples:
         >>> import convgrad as cg

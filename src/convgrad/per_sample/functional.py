@@ -2,7 +2,7 @@
 
 Arguments follow torch.nn.grad (input, weight_size, grad_output, stride, padding,
 dilation, groups), then the transposed-conv extras of aten.convolution_backward.
-The derivation is in docs/per_sample.md; the contractions are listed in
+The derivation is in the docs' "Per-sample gradients and DP-SGD" guide; the contractions are listed in
 ``convgrad.per_sample.methods``.
 """
 
@@ -71,7 +71,7 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
             ``convgrad.per_sample.methods``) or ``"auto"`` (default: the
             fastest, timed once per layer configuration on the batch, as ``backend="auto"`` times backends; with
             ``CONVGRAD_AUTOTUNE=fixed`` the cost model of
-            [`per_sample_grad_norms`][convgrad.per_sample.functional.per_sample_grad_norms]). ``"ghost"`` computes norms
+            ``per_sample_grad_norms``). ``"ghost"`` computes norms
             only and is refused here.
 
     Returns:
@@ -81,7 +81,8 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
         TypeError: a non-tensor or a non-real-floating dtype, mismatched dtypes.
         ValueError: invalid hyperparameters, shapes that do not fit, no batch dim, an unknown method or "ghost".
 
-    Source: docs/per_sample.md; the grouped-conv form is the fwdconv weight-gradient plan
+    Source: the docs' "Per-sample gradients and DP-SGD" guide;
+    the grouped-conv form is the fwdconv weight-gradient plan
     (DESIGN.md) with the batch folded into the groups instead of being summed.
 
     Examples:
@@ -119,7 +120,7 @@ def per_sample_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
         TypeError: grad_output is not a real floating tensor.
         ValueError: grad_output has fewer than 2 dims.
 
-    Source: docs/per_sample.md ("bias").
+    Source: the docs' "Per-sample gradients and DP-SGD" guide ("bias").
 
     Examples:
         >>> import torch, convgrad as cg
@@ -169,7 +170,7 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
 
     Args:
         input, weight_size, grad_output, stride, padding, dilation, groups, transposed, output_padding:
-            as [`per_sample_weight_grad`][convgrad.per_sample.functional.per_sample_weight_grad].
+            as ``per_sample_weight_grad``.
         bias: include the bias gradient ``grad_output`` summed over space (default True).
         method: ``"auto"`` (default), ``"ghost"``, ``"unfold"``, ``"conv"`` or ``"native"``.
 
@@ -178,10 +179,11 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
         wherever it fits the dtype.
 
     Raises:
-        TypeError, ValueError: as [`per_sample_weight_grad`][convgrad.per_sample.functional.per_sample_weight_grad]
+        TypeError, ValueError: as ``per_sample_weight_grad``
             (an unknown method included).
 
-    Source: docs/per_sample.md; Goodfellow, "Efficient per-example gradient computations" (2015);
+    Source: the docs' "Per-sample gradients and DP-SGD" guide;
+    Goodfellow, "Efficient per-example gradient computations" (2015);
     Li et al., "Large language models can be strong differentially private learners" (ICLR 2022).
 
     Examples:

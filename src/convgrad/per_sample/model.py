@@ -96,9 +96,9 @@ class PerSampleGrads:
     ``.grad`` of the supported parameters untouched (DP-SGD replaces it anyway): each layer
     keeps only its per-sample squared norms, computed by a ghost norm wherever that costs
     fewer operations (see
-    [`convgrad.per_sample_grad_norms`][convgrad.per_sample.functional.per_sample_grad_norms]), plus the smaller of its
+    ``convgrad.per_sample_grad_norms``), plus the smaller of its
     materialised per-sample gradients or its (input, grad_output) for clipping; then
-    [`clip_and_accumulate`][convgrad.per_sample.model.PerSampleGrads.clip_and_accumulate] adds to ``.grad``. Double
+    ``clip_and_accumulate`` adds to ``.grad``. Double
     backward (create_graph=True) through a supported module is refused.
 
     Micro-batches: ``clip_and_accumulate`` adds the clipped sum to ``.grad`` as it was before the context's
@@ -142,7 +142,8 @@ class PerSampleGrads:
             module called on another number of samples than the first one (part of the batch); a backward of
             another batch (see Micro-batches).
 
-    Source: docs/per_sample.md; Opacus's GradSampleModule (grad_sample's definition) and DistributedDPOptimizer
+    Source: the docs' "Per-sample gradients and DP-SGD" guide;
+    Opacus's GradSampleModule (grad_sample's definition) and DistributedDPOptimizer
     (clipping before the all-reduce); Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
 
     Examples:
@@ -439,7 +440,7 @@ class PerSampleGrads:
 
         Raises:
             ValueError: max_norm is not positive. RuntimeError: as
-                [`norms`][convgrad.per_sample.model.PerSampleGrads.norms].
+                ``norms``.
         """
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
             raise ValueError(f"PerSampleGrads.clip_and_accumulate: max_norm={max_norm!r} must be a positive number")

@@ -7,7 +7,7 @@ Three modes::
     convgrad check --model path/to/models.py:small_cnn --input-shape 8,3,224,224
     convgrad check --random 200 --seed 0 [--verbose]
 
-Every mode is judged by one function, [check_gradients][convgrad.cli.check.judge.check_gradients]: the inputs
+Every mode is judged by one function, ``check_gradients``: the inputs
 are rounded to the checked dtype, the reference is float64 autograd on those same rounded values, and each entry
 must lie within an error bound computed from the data (judge.py). The exit status is 1 when any gradient is out
 of its bound, 2 on a bad argument, 0 otherwise.

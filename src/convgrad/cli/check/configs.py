@@ -28,7 +28,7 @@ def check_config(input_size: Any, weight_size: Any, stride: Any = 1, padding: An
         input_size: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``.
         weight_size: ``(C_out, C_in/groups, *k)``, or ``(C_in, C_out/groups, *k)`` when ``transposed``.
         stride, padding, dilation, transposed, output_padding, groups: as in
-            [`convgrad.conv_backward`][convgrad.functional.conv_backward].
+            ``convgrad.conv_backward``.
         dtype: one of float64 (default), float32, float16, bfloat16, complex128, complex64.
         device: default CUDA when available, else the CPU.
         backends: names to check (default all of ``convgrad.backends()``).
@@ -36,11 +36,11 @@ def check_config(input_size: Any, weight_size: Any, stride: Any = 1, padding: An
 
     Returns:
         The validated ConvSpec and one Result per (backend, gradient), judged by
-        [check_gradients][convgrad.cli.check.judge.check_gradients].
+        ``check_gradients``.
 
     Raises:
         ValueError, TypeError: invalid arguments, as
-            [`convgrad.conv_backward`][convgrad.functional.conv_backward] raises them.
+            ``convgrad.conv_backward`` raises them.
 
     Source: convgrad/cli/check/judge.py (the reference and the error bound).
 

@@ -190,7 +190,7 @@ def check_gradients(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, g
         fn: the name errors start with (default ``"check"``).
 
     Returns:
-        One [Result][convgrad.cli.check.judge.Result] per (backend, gradient), in the order of ``backends``.
+        One ``Result`` per (backend, gradient), in the order of ``backends``.
 
     Raises:
         ValueError: an unregistered backend.

@@ -217,7 +217,7 @@ def check_model(target: str, input_shape: tuple[int, ...], backends: list[str] |
         progress: called as ``progress(done, total)`` after each conv call is judged (default None).
 
     Returns:
-        One [LayerCheck][convgrad.cli.check.model.LayerCheck] per conv call in the order they ran; grad_bias only
+        One ``LayerCheck`` per conv call in the order they ran; grad_bias only
         for convolutions with a bias.
 
     Raises:
