@@ -12,6 +12,7 @@ grad_output of a transposed conv, whose output aten would otherwise not crop.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -58,7 +59,7 @@ def _convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight
     try:
         return torch.ops.aten.convolution_backward(grad_output, input, weight, None, *spec.aten_args, mask)
     except RuntimeError as e:
-        if "must be contiguous" not in str(e):
+        if not re.search(r"(must|needs to) be contiguous", str(e)):  # slow_conv2d's and slow_conv_transpose's words
             raise
         tensors = (t.contiguous() for t in (grad_output, input, weight))
         return torch.ops.aten.convolution_backward(*tensors, None, *spec.aten_args, mask)

@@ -146,12 +146,16 @@ def compare(backend: str, gradient: str, ours: torch.Tensor, ref: torch.Tensor, 
 @contextlib.contextmanager
 def _full_float32() -> Iterator[None]:
     """float32 means float32 while checking: TF32 (on by default for cuDNN convolutions) rounds to 10 bits."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    cudnn, saved = torch.backends.cudnn, torch.backends.cuda.matmul.allow_tf32
+    # cudnn's flags() context, not assignment: torch.testing's disable_global_flags (OpInfo tests, in one process
+    # with these) forbids setting them directly
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _run_backend(name: str, spec: ConvSpec, tensors: tuple[torch.Tensor, ...],
