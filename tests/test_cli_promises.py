@@ -90,7 +90,9 @@ def test_a_closed_pipe_is_status_141_not_checks_out_of_tolerance() -> None:
 def test_a_three_entry_input_of_a_2d_weight_is_shown_unbatched(capsys: pytest.CaptureFixture[str]) -> None:
     """Before: `--input 4,9,9` was shown as input=(1, 4, 9, 9)."""
     assert cli.main(["explain", "--input", "4,9,9", "--weight", "6,2,3,3", "--groups", "2"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == "conv2d input=(4, 9, 9) (unbatched) weight=(6, 2, 3, 3) groups=2"
+    head = capsys.readouterr().out.splitlines()
+    assert head[0] == "conv2d input=(4, 9, 9) (unbatched) weight=(6, 2, 3, 3) groups=2"
+    assert head[1].startswith("grad_output shape (6, 7, 7) (unbatched; the steps below run it as a batch of 1);")
     assert cli.main(["check", "--input", "4,9,9", "--weight", "6,2,3,3", "--groups", "2", "--backend", "native"]) == 0
     assert capsys.readouterr().out.startswith("conv2d input=(4, 9, 9) (unbatched) weight=(6, 2, 3, 3) groups=2")
 

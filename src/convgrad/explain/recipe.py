@@ -170,7 +170,9 @@ class Recipe:
 
     def __str__(self) -> str:
         s = self.spec
-        lines = [s.describe(), f"grad_output shape {s.output_shape}; every gradient below uses forward ops only "
+        shown = f"{s.output_shape[1:]} (unbatched; the steps below run it as a batch of 1)" if s.unbatched \
+            else f"{s.output_shape}"
+        lines = [s.describe(), f"grad_output shape {shown}; every gradient below uses forward ops only "
                                "(convgrad's fwdconv backend runs exactly these steps)"]
         starts = self._start_shapes()
         for name, plan in self.plans.items():
