@@ -152,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         _list(args)
         return 0
     backends = _check(args)
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"convgrad bench: --out={args.out} is an existing file, not a folder; --out names the folder "
+                         f"that gets results.json, results.md and the charts (give a new or existing folder)")
     device = _device(args.device)
     malloc = keep_malloc() if args.malloc == "keep" else "system"
     work = [(layer, dtype) for dtype in args.dtype for layer in select(args.suite, args.layers, dtype)]
