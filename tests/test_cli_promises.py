@@ -134,16 +134,6 @@ def test_demo_out_onto_an_existing_file_says_so(tmp_path: Path, capsys: pytest.C
     assert target.read_text() == "keep me"
 
 
-def test_bench_out_onto_an_existing_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Before: "convgrad bench: error: run: File exists", as demo's was."""
-    target = tmp_path / "run"
-    target.write_text("keep me")
-    assert cli.main(["bench", "--suite", "smoke", "--out", str(target)]) == 2
-    assert capsys.readouterr().err == (
-        f"convgrad bench: error: --out={target} is an existing file, not a folder; --out names the folder that gets "
-        "results.json, results.md and the charts (give a new or existing folder)\n")
-    assert target.read_text() == "keep me"
-
 
 def test_demo_summary_records_the_steps_that_ran(tmp_path: Path) -> None:
     """Before: `--steps 2 --epochs 3` recorded "epochs": 3, though 2 steps are a fraction of one epoch."""
