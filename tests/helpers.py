@@ -8,9 +8,13 @@ explicitly padded input (forward) or crops torch's transposed output.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -245,3 +249,13 @@ def assert_gradchecks(backend: str, xs: tuple[int, ...], ws: tuple[int, ...], kw
 
     assert torch.autograd.gradcheck(f, tensors)
     assert torch.autograd.gradgradcheck(f, tensors, fast_mode=True)
+
+
+def load_script(name: str, path: Path) -> ModuleType:
+    """A script that is not in a package (docs/*.py), imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module

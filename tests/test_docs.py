@@ -13,10 +13,11 @@ import sys
 import textwrap
 from html.parser import HTMLParser
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -27,18 +28,9 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[\
 _PYTHON = {"python", "py", "python3"}
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-cli_output = _load("cli_output", DOCS / "cli_output.py")
-py_output = _load("py_output", DOCS / "py_output.py")
-first_call_cost = _load("first_call_cost", DOCS / "first_call_cost.py")
+cli_output = load_script("cli_output", DOCS / "cli_output.py")
+py_output = load_script("py_output", DOCS / "py_output.py")
+first_call_cost = load_script("first_call_cost", DOCS / "first_call_cost.py")
 
 
 def python_blocks(page: Path) -> list[str]:
@@ -108,7 +100,7 @@ def test_readme_links_only_inside_the_repository() -> None:
 
 
 def test_derivation_figures_come_from_make_figures() -> None:
-    make_figures = _load("make_figures", DOCS / "make_figures.py")
+    make_figures = load_script("make_figures", DOCS / "make_figures.py")
     used = set(re.findall(r"\(img/([\w.-]+\.png)\)", (DOCS / "derivation.md").read_text()))
     assert used == set(make_figures.FIGURES) | {m.file for m in make_figures.METHODS.values()}
     assert all((DOCS / "img" / name).is_file() for name in used)
@@ -119,7 +111,7 @@ def test_every_method_explain_shows_has_a_section_with_its_picture_and_rule() ->
     picture of a layer the rules give it and the rule's own words (a rule that changes makes this fail)."""
     from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
 
-    make_figures = _load("make_figures", DOCS / "make_figures.py")
+    make_figures = load_script("make_figures", DOCS / "make_figures.py")
     page = (DOCS / "derivation.md").read_text()
     sections = dict(re.findall(r"^### grad_(?:input|weight): (\w+)\n(.*?)(?=^##)", page, flags=re.M | re.S))
     assert set(sections) == set(make_figures.METHODS) == {*INPUT_METHODS, *WEIGHT_METHODS, "direct"}
@@ -141,7 +133,7 @@ def test_derivation_pictures_are_current(tmp_path: Path) -> None:
     font rendering, so only the dimensions are compared)."""
     from PIL import Image
 
-    make_figures = _load("make_figures", DOCS / "make_figures.py")
+    make_figures = load_script("make_figures", DOCS / "make_figures.py")
     for method in make_figures.METHODS.values():
         fresh = tmp_path / method.file
         method.recipe().plot(fresh, gradients=(method.gradient,))

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -20,22 +19,14 @@ from matplotlib.text import Text
 import convgrad
 from convgrad.explain import render
 from convgrad.explain.layout import DPI, WIDTH_PX
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-site_layout = _load("site_layout", DOCS / "site_layout.py")
-cli_output = _load("cli_output", DOCS / "cli_output.py")
+site_layout = load_script("site_layout", DOCS / "site_layout.py")
+cli_output = load_script("cli_output", DOCS / "cli_output.py")
 
 
 # ---- picture legends -------------------------------------------------------------------------------------------
