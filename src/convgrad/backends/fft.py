@@ -79,6 +79,12 @@ class FftPlan:
     def sizes(self) -> Shape:
         return tuple(d.size for d in self.dims)
 
+    @property
+    def group_channels(self) -> tuple[int, int, int]:
+        """(A, B0, B): y channels per group, x channels per group, and x channels per group times the live phases."""
+        b0 = self.spec.x_channels // self.spec.groups
+        return self.spec.y_channels // self.spec.groups, b0, b0 * self.phase_count
+
     def describe(self) -> str:
         return "\n".join(f"{j + 1}. {s.describe()}" for j, s in enumerate(self.steps))
 
@@ -274,8 +280,7 @@ class _Output:
 def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
     real = not (x.is_complex() or w.is_complex())
-    a, b0, nd = spec.y_channels // spec.groups, spec.x_channels // spec.groups, spec.n
-    b = b0 * p.phase_count
+    (a, b0, b), nd = p.group_channels, spec.n
     if spec.batch == 0:
         return x.new_zeros(spec.y_shape)
     wp = _place_taps(w, dims)  # (C_y, B, *Q)
@@ -297,8 +302,7 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
     real = not (y.is_complex() or w.is_complex())
-    a, b0 = spec.y_channels // spec.groups, spec.x_channels // spec.groups
-    b = b0 * p.phase_count
+    a, b0, b = p.group_channels
     if spec.batch == 0:
         return y.new_zeros(spec.x_shape)
     wp = _place_taps(w, dims)  # (C_y, B, *Q)
@@ -318,8 +322,7 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
     real = not (x.is_complex() or y.is_complex())
-    a, b0, nd = spec.y_channels // spec.groups, spec.x_channels // spec.groups, spec.n
-    b = b0 * p.phase_count
+    (a, b0, b), nd = p.group_channels, spec.n
     if spec.batch == 0:
         return x.new_zeros(spec.weight_shape)
     q = tuple(d.taps for d in dims)
