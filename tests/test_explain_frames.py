@@ -18,8 +18,9 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from convgrad.backends import fwdconv_geometry, fwdconv_plan
 from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
+from convgrad.backends.fwdconv import geometry as fwdconv_geometry
+from convgrad.backends.fwdconv import plan as fwdconv_plan
 from convgrad.explain.frames import GRADIENTS, Scene, scene
 from convgrad.spec import ConvSpec
 from helpers import Case, reference_forward

@@ -17,8 +17,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import convgrad as cg
-from convgrad.backends import fwdconv, fwdconv_phases, fwdconv_weight
-from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS, execute, plan_input_grad, plan_weight_grad
+from convgrad.backends.fwdconv import (
+    INPUT_METHODS,
+    WEIGHT_METHODS,
+    execute,
+    grad_input,
+    plan_input_grad,
+    plan_weight_grad,
+)
+from convgrad.backends.fwdconv import contractions as fwdconv_phases
+from convgrad.backends.fwdconv import grad_weight as fwdconv_weight
 from convgrad.spec import ConvSpec
 from helpers import TOL, Case, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
 
@@ -419,7 +427,7 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """force(input_method, weight_method): make the fwdconv rules choose these (plans re-built)."""
     def force(input_method: str | None, weight_method: str | None) -> None:
         if input_method:
-            monkeypatch.setattr(fwdconv, "_input_method", lambda spec: (input_method, "forced"))
+            monkeypatch.setattr(grad_input, "_input_method", lambda spec: (input_method, "forced"))
         if weight_method:
             monkeypatch.setattr(fwdconv_weight, "weight_method", lambda spec: (weight_method, "forced"))
         plan_input_grad.cache_clear()

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from convgrad.backends.fwdconv_plan import pad_code
+from convgrad.backends.fwdconv.plan import pad_code
 from convgrad.spec import ConvSpec
 
 if TYPE_CHECKING:

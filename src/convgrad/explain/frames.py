@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from convgrad.backends import fwdconv
-from convgrad.backends.fwdconv_geometry import Axis, Cell, Family, Out, operand, union_axis
+from convgrad.backends.fwdconv.geometry import Axis, Cell, Family, Out, operand, union_axis
 from convgrad.spec import ConvSpec
 
 __all__ = ["GRADIENTS", "Frame", "Scene", "plan_of", "scene"]

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from convgrad.backends.fwdconv_geometry import Cell
-from convgrad.backends.fwdconv_plan import Conv
-from convgrad.backends.fwdconv_steps import Spatially
+from convgrad.backends.fwdconv.geometry import Cell
+from convgrad.backends.fwdconv.plan import Conv
+from convgrad.backends.fwdconv.steps import Spatially
 from convgrad.explain.frames import Frame, Index, Scene
 from convgrad.explain.symbols import used_symbols
 

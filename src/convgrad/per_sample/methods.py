@@ -43,7 +43,7 @@ import torch
 
 from convgrad._ops import pad, plain, sliced
 from convgrad.backends import get_backend
-from convgrad.backends.fwdconv_plan import Conv, pad_or_fold
+from convgrad.backends.fwdconv.plan import Conv, pad_or_fold
 from convgrad.spec import ConvSpec
 
 __all__ = [

@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 
 from convgrad._ops import CONV, pad
-from convgrad.backends import fwdconv_geometry as geo
-from convgrad.backends.fwdconv_steps import Contraction, Spatially, _flat
+from convgrad.backends.fwdconv import geometry as geo
+from convgrad.backends.fwdconv.steps import Contraction, Spatially, _flat
 from convgrad.spec import ConvSpec, Pair
 
 __all__ = ["BatchIntoChannels", "Conv", "Flip", "Pad", "Plan", "Step", "SwapBatchChannels", "SwapGroupChannels",

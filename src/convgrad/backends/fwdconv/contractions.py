@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from convgrad._ops import pad, plain, sliced
-from convgrad.backends import fwdconv_geometry as geo
-from convgrad.backends.fwdconv_plan import pad_code
-from convgrad.backends.fwdconv_steps import Contraction, _contraction_code, _dims, _flat, _new_like, _slices
+from convgrad.backends.fwdconv import geometry as geo
+from convgrad.backends.fwdconv.plan import pad_code
+from convgrad.backends.fwdconv.steps import Contraction, _contraction_code, _dims, _flat, _new_like, _slices
 from convgrad.spec import Pair, PhaseTaps
 
 Shape = tuple[int, ...]

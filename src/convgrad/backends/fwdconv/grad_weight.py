@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from convgrad._ops import batched_like, sliced
-from convgrad.backends import fwdconv_geometry as geo
-from convgrad.backends.fwdconv_plan import (
+from convgrad.backends.fwdconv import geometry as geo
+from convgrad.backends.fwdconv.plan import (
     BatchIntoChannels,
     Conv,
     Pad,
@@ -29,7 +29,7 @@ from convgrad.backends.fwdconv_plan import (
     pad_code,
     pad_or_fold,
 )
-from convgrad.backends.fwdconv_steps import (
+from convgrad.backends.fwdconv.steps import (
     BatchIntoGroups,
     Contraction,
     FoldTaps,

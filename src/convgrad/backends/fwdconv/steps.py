@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from convgrad._ops import add_product_, batched_like, plain, sliced
-from convgrad.backends import fwdconv_geometry as geo
+from convgrad.backends.fwdconv import geometry as geo
 from convgrad.spec import Pair
 
 Shape = tuple[int, ...]

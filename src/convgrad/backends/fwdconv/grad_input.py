@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from convgrad.backends import Backend, fwdconv_weight, register
-from convgrad.backends.fwdconv_phases import DepthToSpace, Phase, PhaseConvs, SubpixelKernel, TakeTaps
-from convgrad.backends.fwdconv_plan import (
+from convgrad.backends import Backend, register
+from convgrad.backends.fwdconv import grad_weight as fwdconv_weight
+from convgrad.backends.fwdconv.contractions import DepthToSpace, Phase, PhaseConvs, SubpixelKernel, TakeTaps
+from convgrad.backends.fwdconv.plan import (
     Conv,
     Flip,
     Pad,
@@ -43,7 +44,7 @@ from convgrad.backends.fwdconv_plan import (
     execute,
     pad_or_fold,
 )
-from convgrad.backends.fwdconv_steps import Contraction, DepthwiseTaps, MatMul, Subsample
+from convgrad.backends.fwdconv.steps import Contraction, DepthwiseTaps, MatMul, Subsample
 from convgrad.spec import ConvSpec, Pair, PhaseTaps, tap_rows
 
 Shape = tuple[int, ...]
