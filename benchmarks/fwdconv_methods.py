@@ -3,8 +3,8 @@
 For each layer, grad_input under each method of ``fwdconv.INPUT_METHODS`` (forward convs only) and
 grad_weight under each of ``fwdconv.WEIGHT_METHODS`` are timed with torch.utils.benchmark, interleaved
 with native, and printed as ratios to native (below 1: faster), next to the method the rules pick
-(in brackets). Re-run it on a quiet machine to re-check the thresholds in fwdconv.py
-(``SUBPIXEL_MAX_CHANNELS``, ``_input_method``) and fwdconv_weight.py (``weight_method``).
+(in brackets). Re-run it on a quiet machine to re-check the thresholds in backends/fwdconv/grad_input.py
+(``SUBPIXEL_MAX_CHANNELS``, ``input_method``) and backends/fwdconv/grad_weight.py (``weight_method``).
 
     PYTHONPATH=src python benchmarks/fwdconv_methods.py --threads 2 --repeats 5
     PYTHONPATH=src python benchmarks/fwdconv_methods.py --layers 'resnet50.*' --dtype float64

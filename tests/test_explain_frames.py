@@ -18,9 +18,7 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
-from convgrad.backends.fwdconv import geometry as fwdconv_geometry
-from convgrad.backends.fwdconv import plan as fwdconv_plan
+from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS, geometry, steps
 from convgrad.explain.frames import GRADIENTS, Scene, scene
 from convgrad.spec import ConvSpec
 from helpers import Case, reference_forward
@@ -208,18 +206,18 @@ def test_a_renderer_one_tap_off_fails(config: Config, monkeypatch: pytest.Monkey
 
 
 def test_a_geometry_one_tap_off_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = fwdconv_geometry.conv_rows
+    real = geometry.conv_rows
 
     def off(data: Any, kernel: Any, stride: int, padding: int, dilation: int, rows: int) -> Any:
-        return real(data, fwdconv_geometry.Axis(kernel.cells[1:] + kernel.cells[:1]), stride, padding, dilation, rows)
+        return real(data, geometry.Axis(kernel.cells[1:] + kernel.cells[:1]), stride, padding, dilation, rows)
 
-    monkeypatch.setattr(fwdconv_geometry, "conv_rows", off)
+    monkeypatch.setattr(geometry, "conv_rows", off)
     with pytest.raises(AssertionError, match="Jacobian row"):
         check(EXAMPLES[1])
 
 
 def test_a_kernel_left_unflipped_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fwdconv_plan.Flip, "rows", lambda self, dim, axis: axis)
+    monkeypatch.setattr(steps.Flip, "rows", lambda self, dim, axis: axis)
     with pytest.raises(AssertionError, match="Jacobian row"):
         check(EXAMPLES[1])
 

@@ -20,13 +20,13 @@ import convgrad as cg
 from convgrad.backends.fwdconv import (
     INPUT_METHODS,
     WEIGHT_METHODS,
+    contractions,
     execute,
     grad_input,
+    grad_weight,
     plan_input_grad,
     plan_weight_grad,
 )
-from convgrad.backends.fwdconv import contractions as fwdconv_phases
-from convgrad.backends.fwdconv import grad_weight as fwdconv_weight
 from convgrad.spec import ConvSpec
 from helpers import TOL, Case, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
 
@@ -141,13 +141,13 @@ def test_weight_rules_pick_the_expected_formulation(spec: ConvSpec, method: str)
 ], ids=str)
 def test_non_onednn_dtypes_fold_the_taps_for_grad_weight(spec: ConvSpec, dtype: torch.dtype,
                                                           method: str | None) -> None:
-    assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=dtype)) == method
+    assert grad_weight.im2col_weight_method(spec, torch.empty(0, dtype=dtype)) == method
 
 
 def test_the_im2col_rule_is_for_the_cpu_only() -> None:
     spec = _spec((2, 8, 9, 9), (8, 8, 3, 3), padding=1)
-    assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=torch.float64)) == "taps"
-    assert fwdconv_weight.im2col_weight_method(spec, torch.empty(0, dtype=torch.float64, device="meta")) is None
+    assert grad_weight.im2col_weight_method(spec, torch.empty(0, dtype=torch.float64)) == "taps"
+    assert grad_weight.im2col_weight_method(spec, torch.empty(0, dtype=torch.float64, device="meta")) is None
 
 
 def test_depthwise_one_tap_phase_is_a_per_channel_scale() -> None:
@@ -208,7 +208,7 @@ def test_batch_chunks_match_autograd_and_the_whole_batch(case: Case, dtype: torc
     t = make_tensors(case, dtype)
     out, gy = torch.empty(plan.shape, dtype=dtype), t["grad_output"]
     per_sample = (2 * out[0].numel() + gy[0].numel()) * out.element_size()
-    monkeypatch.setattr(fwdconv_phases, "CHUNK_BYTES", 2 * per_sample + 1)
+    monkeypatch.setattr(contractions, "CHUNK_BYTES", 2 * per_sample + 1)
     assert plan.conv.batch_chunk(out, gy) == 2
     chunks: list[int] = []
     for name in ("_write_pairs", "_write_phases"):
@@ -218,7 +218,7 @@ def test_batch_chunks_match_autograd_and_the_whole_batch(case: Case, dtype: torc
     chunked = execute(plan, gy, t["weight"])
     assert chunks == [2, 2, 1]
     assert_matches_autograd({"grad_input": chunked}, reference_grads(case, t), dtype, f"chunked {case}")
-    monkeypatch.setattr(fwdconv_phases, "CHUNK_BYTES", 2**40)
+    monkeypatch.setattr(contractions, "CHUNK_BYTES", 2**40)
     whole = execute(plan, gy, t["weight"])
     assert chunks[3:] == [5] and torch.equal(chunked, whole)
 
@@ -226,7 +226,7 @@ def test_batch_chunks_match_autograd_and_the_whole_batch(case: Case, dtype: torc
 @pytest.mark.parametrize("fast_mode", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_batch_chunks_keep_double_backward_and_batch_zero(monkeypatch: pytest.MonkeyPatch, fast_mode: bool) -> None:
     """gradcheck's fast mode (a random projection of the Jacobian) in the fast tier, the whole Jacobian in the slow."""
-    monkeypatch.setattr(fwdconv_phases, "CHUNK_BYTES", 1)  # one sample per chunk
+    monkeypatch.setattr(contractions, "CHUNK_BYTES", 1)  # one sample per chunk
     case = CHUNKED_CASES[0]
     gy = make_tensors(case)["grad_output"][:2].requires_grad_()
     w = make_tensors(case)["weight"].requires_grad_()
@@ -427,9 +427,9 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """force(input_method, weight_method): make the fwdconv rules choose these (plans re-built)."""
     def force(input_method: str | None, weight_method: str | None) -> None:
         if input_method:
-            monkeypatch.setattr(grad_input, "_input_method", lambda spec: (input_method, "forced"))
+            monkeypatch.setattr(grad_input, "input_method", lambda spec: (input_method, "forced"))
         if weight_method:
-            monkeypatch.setattr(fwdconv_weight, "weight_method", lambda spec: (weight_method, "forced"))
+            monkeypatch.setattr(grad_weight, "weight_method", lambda spec: (weight_method, "forced"))
         plan_input_grad.cache_clear()
         plan_weight_grad.cache_clear()
 

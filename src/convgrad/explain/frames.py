@@ -2,7 +2,7 @@
 
 A ``Scene`` is one computation (the forward pass, grad_input or grad_weight) seen through the plan that
 computes it. Its geometry is read from the plan's own steps, one spatial dim at a time (each step's
-``rows`` / ``reads``, backends/fwdconv_geometry.py): what is drawn is what runs. The N-d products of a
+``rows`` / ``reads``, backends/fwdconv/geometry.py): what is drawn is what runs. The N-d products of a
 result cell are the products of its per-dim ones. Channels pair up by the groups of the spec: result
 channel c of group G sums the data channels of group G, with the kernel's (out, in) channel pair.
 
@@ -93,7 +93,7 @@ class Scene:
     @property
     def flips(self) -> bool:
         """Whether the plan flips the kernel before the contraction."""
-        return any(type(s).__name__ == "Flip" for s in self.plan.kernel_steps)
+        return any(isinstance(s, fwdconv.Flip) for s in self.plan.kernel_steps)
 
     @property
     def result_shape(self) -> Shape:

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from convgrad.backends.fwdconv.contractions import Conv
 from convgrad.backends.fwdconv.geometry import Cell
-from convgrad.backends.fwdconv.plan import Conv
-from convgrad.backends.fwdconv.steps import Spatially
 from convgrad.explain.frames import Frame, Index, Scene
 from convgrad.explain.symbols import used_symbols
 
@@ -399,8 +397,7 @@ def title(scene: Scene) -> str:
 
 def data_steps(scene: Scene) -> str:
     """What the plan does to the data before the contraction, in one line."""
-    steps = [re.sub(r" \((stride-1 zeros|negative|im2col|sample-major)[^()]*\)", "", st.describe())
-             .replace(" per spatial dim", "") for st in scene.plan.data_steps if not _moves_channels_only(st)]
+    steps = [label for label in (st.label() for st in scene.plan.data_steps) if label]  # "": no rows move
     conv = scene.plan.conv
     if isinstance(conv, Conv):  # a plain conv: its own padding, stride and dilation shape the picture
         if any(conv.padding):
@@ -418,9 +415,6 @@ def _per_dim(values: Sequence[int]) -> str:
     """Per-dim integers in prose: ``2`` in 1d, ``(2, 1)`` otherwise (code.py's ``_dims`` writes them as code)."""
     return str(values[0]) if len(values) == 1 else str(tuple(values))
 
-
-def _moves_channels_only(step: Any) -> bool:
-    return getattr(type(step), "rows", None) is Spatially.rows
 
 def tap_letters(scene: Scene) -> dict[tuple[int, ...], str]:
     """The letter of every kernel tap (by its source index, row-major over the kernel's spatial shape)."""

@@ -1,12 +1,13 @@
 """How each gradient of a convolution is built from forward operations, and which native kernel runs.
 
-``explain`` returns a ``Recipe`` that wraps the very ``Plan`` objects (backends/fwdconv.py)
+``explain`` returns a ``Recipe`` that wraps the very ``Plan`` objects (backends/fwdconv/plan.py)
 the fwdconv backend executes (``plan_input_grad(spec)``, ``plan_weight_grad(spec)``), so
 what is explained is exactly what runs. A Recipe renders those plans as text (``str``), as a
 standalone PyTorch script (``Recipe.to_python``), as pictures and animations drawn from each
 step's own geometry (``Recipe.plot``, ``Recipe.animate``) and as a page (``Recipe.to_html``).
-Steps are read generically, through each step's ``describe()``, ``shape``, class name and
-``rows``/``reads`` geometry, so a new kind of step in the backend shows up here without changes.
+Steps are read generically, through each step's ``describe()``, ``shape``, ``code()``, ``label()`` and
+``rows``/``reads`` geometry (the protocols of backends/fwdconv/plan.py), so a new kind of step in the
+backend shows up here without changes.
 
 ``native_backend`` answers the other half of the seeds' first question: which kernel
 ``aten.convolution_backward`` dispatches to for a configuration (see ``_native_choice.py``).

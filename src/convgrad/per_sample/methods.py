@@ -43,7 +43,7 @@ import torch
 
 from convgrad._ops import pad, plain, sliced
 from convgrad.backends import get_backend
-from convgrad.backends.fwdconv.plan import Conv, pad_or_fold
+from convgrad.backends.fwdconv import BatchFold, Conv, Step, pad_or_fold
 from convgrad.spec import ConvSpec
 
 __all__ = [
@@ -237,10 +237,9 @@ def _conv(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     pad_steps, conv_pad, padded = pad_or_fold(spec.x_read_pads, (*x_shape, *spec.x_size),
                                                (*x_shape, *spec.x_read_size))
     conv = Conv(spec.dilation, conv_pad, spec.stride, n * g, (cxg, n * spec.y_channels, *spec.kernel_size))
-    for step in pad_steps:
-        x = step(x)  # (N, C_x, *x_read_size)
-    x = x.reshape(n, g, cxg, *padded[2:]).permute(2, 0, 1, *range(3, 3 + spec.n))  # (C_x/g, N, g, *i)
-    x = x.reshape(cxg, n * g, *padded[2:])  # (C_x/g, N·g, *i): one group per (sample, group)
+    steps: list[Step] = [*pad_steps, BatchFold(g, "sample_major", (cxg, n * g, *padded[2:]))]
+    for step in steps:
+        x = step(x)  # (C_x/g, N·g, *i) at the end: one group per (sample, group)
     kernel = y.reshape(n * spec.y_channels, 1, *spec.y_size)  # (N·C_y, 1, *o), ordered (sample, group, C_y/g)
     out = conv(x, kernel).view(cxg, n, spec.y_channels, *spec.kernel_size)  # (C_x/g, N, C_y, *k)
     out = out.permute(1, 2, 0, *range(3, 3 + spec.n))  # (N, C_y, C_x/g, *k), a view

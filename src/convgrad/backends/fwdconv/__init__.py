@@ -1,33 +1,68 @@
 """The fwdconv backend: every gradient written with forward convolutions only (the seeds' method).
 
-A package (issue 27): ``grad_input`` builds the plans of grad_input and the forward, ``grad_weight`` those of
-grad_weight, from the steps of ``plan``, ``steps`` and ``contractions``; ``geometry`` tells explain's pictures
-where each step moves the rows. ``from convgrad.backends import fwdconv`` gives the names below.
+Contractions, per group (x: big side, y: small side, T: kernel taps; DESIGN.md):
+    grad of x   [N, C_y/g, zero-inserted y] * flip(w)^T [C_x/g, C_y/g, T]  -> [N, C_x/g, i]   grad_input.py
+    grad of y   [N, C_x/g, x] * w [C_y/g, C_x/g, T]                        -> [N, C_y/g, o]   grad_input.py
+    grad of w   [C_x/g, N, x] * y^T [C_y/g, N, o]                          -> [C_x/g, C_y/g, T] grad_weight.py
+Faster forms of the same sums are chosen per layer and per gradient by rules from measurements, each next to
+its builders: polyphase and sub-pixel grad of x, 1x1 convs as matmuls (grad_input.py); grad of w with the batch
+folded into the groups, the taps folded into the batch, or the dilation blocks or stride phases folded into
+channels (grad_weight.py).
+
+Work happens in two steps. ``plan_input_grad(spec)`` / ``plan_weight_grad(spec)`` turn a ConvSpec into a
+``Plan`` (plan.py): a short list of plain steps (steps.py) and one contraction (contractions.py) that depends
+on shapes only. ``execute(plan, data, kernel)`` runs it on tensors. ``convgrad.explain`` renders the very same
+Plan objects, each step through its own ``describe``, ``label``, ``code`` and geometry (geometry.py), so what
+is explained is what runs. Every step is a differentiable torch op, so gradients of any order come from autograd.
 """
 
 from __future__ import annotations
 
-from convgrad.backends.fwdconv.grad_input import (
-    INPUT_METHODS,
-    WEIGHT_METHODS,
-    FwdConvBackend,
-    plan_forward,
-    plan_input_grad,
-    plan_weight_grad,
-)
-from convgrad.backends.fwdconv.plan import (
-    Conv,
+from typing import Any
+
+import torch
+
+from convgrad.backends import Backend, register
+from convgrad.backends.fwdconv.contractions import Conv, MatMul, PhaseConvs
+from convgrad.backends.fwdconv.grad_input import INPUT_METHODS, plan_forward, plan_input_grad
+from convgrad.backends.fwdconv.grad_weight import WEIGHT_METHODS, im2col_weight_method, plan_weight_grad
+from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, execute
+from convgrad.backends.fwdconv.steps import (
+    BatchFold,
     Flip,
     Pad,
-    Plan,
-    Step,
     SwapBatchChannels,
     SwapGroupChannels,
     ZeroInsert,
-    execute,
+    pad_or_fold,
 )
-from convgrad.backends.fwdconv.steps import Contraction
+from convgrad.spec import ConvSpec
 
-__all__ = ["INPUT_METHODS", "WEIGHT_METHODS", "Contraction", "Conv", "Flip", "FwdConvBackend", "Pad", "Plan", "Step",
-           "SwapBatchChannels", "SwapGroupChannels", "ZeroInsert", "execute", "plan_forward", "plan_input_grad",
-           "plan_weight_grad"]
+__all__ = ["INPUT_METHODS", "WEIGHT_METHODS", "BatchFold", "Contraction", "Conv", "Flip", "FwdConvBackend", "MatMul",
+           "Pad", "PhaseConvs", "Plan", "Step", "SwapBatchChannels", "SwapGroupChannels", "ZeroInsert", "execute",
+           "pad_or_fold", "plan_forward", "plan_input_grad", "plan_weight_grad"]
+
+
+def _planned(planner: Any, spec: ConvSpec, *method: str | None) -> Plan:
+    """``planner(spec, *method)`` through its lru_cache; while torch.compile traces, the uncached function: Dynamo
+    traces through the cache anyway, and warns about it ("Silent incorrectness is only a potential risk")."""
+    if torch.compiler.is_compiling():
+        return planner.__wrapped__(spec, *method)  # type: ignore[no-any-return]
+    return planner(spec, *method)  # type: ignore[no-any-return]
+
+
+@register
+class FwdConvBackend(Backend):
+    """Forward convolutions, pads, flips and reshapes only; never a convolution_backward."""
+
+    name = "fwdconv"
+    supports_complex = True
+
+    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        # torch's complex convention: the gradient pairs grad_output with conj(weight) (a no-op for real dtypes)
+        return execute(_planned(plan_input_grad, spec), grad_output, weight.conj())
+
+    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        input = input.conj()  # torch's complex convention, as in input_grad
+        x, y = (grad_output, input) if spec.transposed else (input, grad_output)
+        return execute(_planned(plan_weight_grad, spec, im2col_weight_method(spec, grad_output)), x, y)

@@ -1,36 +1,206 @@
-"""The polyphase and sub-pixel steps of the fwdconv grad of x: no products with inserted zeros.
+"""The contractions of the fwdconv plans: the one multiply-accumulate each plan ends its data path with.
 
-Contractions, per group (x: big side, y: small side; spec.phase_taps has the derivation):
-    polyphase   x rows rho::s  =  y padded * flipped taps first::s/g      (one small conv per phase)
-    sub-pixel   [N, C_y/g, y] * [P*C_x/g, C_y/g, fused taps] -> [N, P*C_x/g, ceil(i/s)] -> depth to space
-
-Steps follow fwdconv.py: frozen dataclasses with ``shape``, ``__call__`` and ``describe()``, plus
-``code()`` for ``Recipe.to_python``. Results are written phase by phase into a tensor of the big
-side's exact size, in the data's memory format (channels last stays channels last).
+Each follows plan.Contraction: a frozen dataclass called with (data, kernel), with ``shape``, ``describe()``,
+``code()`` and ``reads()``. Per group (x: big side, y: small side; spec.phase_taps has the phases' derivation):
+    Conv          a forward conv, data * kernel, with explicit stride, padding, dilation and groups
+    MatMul        a conv whose kernel is 1x1, or covers its whole input:  [B, I] x [I, O] -> [B, O]
+    DepthwiseTaps a stride-1 depthwise conv summed tap by tap (the few taps of a polyphase phase)
+    PhaseConvs    polyphase grad of x: x rows rho::s = y padded * flipped taps first::s/g (one Phase per rho)
+Results are written in the data's memory format (channels last stays channels last).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from convgrad._ops import pad, plain, sliced
+from convgrad._ops import CONV, add_product_, pad, plain, sliced
 from convgrad.backends.fwdconv import geometry as geo
-from convgrad.backends.fwdconv.plan import pad_code
-from convgrad.backends.fwdconv.steps import Contraction, _contraction_code, _dims, _flat, _new_like, _slices
-from convgrad.spec import Pair, PhaseTaps
+from convgrad.backends.fwdconv.plan import Contraction, commas, pad_code, slices
+from convgrad.backends.fwdconv.steps import channels_last, new_like
+from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
 
-__all__ = ["CHUNK_BYTES", "DepthToSpace", "Phase", "PhaseConvs", "SubpixelKernel", "TakeTaps"]
+__all__ = ["CHUNK_BYTES", "Conv", "DepthwiseTaps", "MatMul", "Phase", "PhaseConvs", "TakeTaps", "phase_rows"]
 
 # Memory-bound phases (PhaseConvs.chunked) run a few samples at a time on the CPU, so that a chunk's phase results
 # are still in cache when they are interleaved into the big side: their writes, not the convs, are the cost there.
-# 16 MiB sits within the last-level cache of current server CPUs (measurements: fwdconv.CHUNK_MAX_CHANNELS).
+# 16 MiB sits within the last-level cache of current server CPUs (measurements: grad_input.CHUNK_MAX_CHANNELS).
 CHUNK_BYTES = 16 * 2**20
+
+
+def _coordinate(index: int, counts: Shape, dim: int) -> int:
+    """The coordinate in ``dim`` of a row-major flat index over ``counts``."""
+    return index // math.prod(counts[dim + 1:]) % counts[dim]
+
+
+@dataclass(frozen=True)
+class Conv:
+    """A forward convolution, data * kernel, with explicit stride, padding, dilation and groups."""
+
+    stride: Shape
+    padding: Shape
+    dilation: Shape
+    groups: int
+    shape: Shape
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        return CONV[len(self.stride)](data, kernel, None, self.stride, self.padding, self.dilation, self.groups)
+
+    def describe(self) -> str:
+        return (f"conv{len(self.stride)}d stride={self.stride} padding={self.padding} "
+                f"dilation={self.dilation} groups={self.groups}")
+
+    def code(self, out: str, data: str, kernel: str) -> list[str]:
+        return [f"{out} = F.conv{len(self.stride)}d({data}, {kernel}, None, stride={self.stride}, "
+                f"padding={self.padding}, dilation={self.dilation}, groups={self.groups})  # {self.shape}"]
+
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """Result row u sums data[u*s + t*d] * kernel[t], the data padded by the conv's own padding."""
+        s, p, d, rows = self.stride[dim], self.padding[dim], self.dilation[dim], self.shape[2 + dim]
+        return geo.contract(lambda a, k: geo.conv_rows(a, k, s, p, d, rows), data, kernel)
+
+
+# ---- matmuls ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MatMul:
+    """A conv computed as one matmul: its kernel is 1x1 (``pointwise``), or it covers the whole input.
+
+    pointwise: (B, g*I, *S) x (O, I, 1, ..) -> (B, O, *S);  full: (B, g*I, *J) x (O, I, *J) -> (B, O, 1, ..).
+    """
+
+    groups: int
+    pointwise: bool
+    shape: Shape
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        return self._pointwise(data, kernel) if self.pointwise else self._full(data, kernel)
+
+    def _pointwise(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        g, b, o, i = self.groups, data.shape[0], self.shape[1], data.shape[1] // self.groups  # b: a batch chunk too
+        spatial = data.shape[2:]
+        k = kernel.reshape(g, o // g, i)  # (g, O/g, I)
+        if i == 1 and o == g:  # depthwise: a matmul of 1x1 matrices per channel is a per-channel scale
+            return data * kernel.reshape(1, g, *(1,) * len(spatial))  # (B, C, *S), in data's memory format
+        if channels_last(data) and g == 1:
+            out = data.movedim(1, -1).reshape(b * math.prod(spatial), i) @ k[0].t()  # (B*S, O)
+            return out.reshape(b, *spatial, o).movedim(-1, 1)  # (B, O, *S), channels last
+        out = torch.matmul(k, data.reshape(b, g, i, math.prod(spatial)))  # (B, g, O/g, S)
+        return out.reshape(b, o, *spatial)
+
+    def _full(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        g, (b, o) = self.groups, self.shape[:2]
+        ij = data.shape[1] // g * math.prod(data.shape[2:])
+        d = data.reshape(b, g, ij).transpose(0, 1)  # (g, B, I*J)
+        k = kernel.reshape(g, o // g, ij)  # (g, O/g, I*J)
+        return torch.matmul(d, k.transpose(1, 2)).transpose(0, 1).reshape(self.shape)  # (B, O, 1, ..)
+
+    def describe(self) -> str:
+        kind = "a 1x1 kernel" if self.pointwise else "a kernel covering its whole input"
+        return f"conv with {kind}, groups={self.groups}: one matmul"
+
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """pointwise: row u is data[u] * kernel[0]; full: one row, the sum of data[j] * kernel[j]."""
+        def one(a: geo.Axis, k: geo.Axis) -> geo.Axis:
+            if self.pointwise:
+                return geo.Axis(tuple(geo.Out("out", u, ((c, k.cells[0]),), (a, k)) for u, c in enumerate(a.cells)))
+            return geo.Axis((geo.Out("out", 0, tuple(zip(a.cells, k.cells, strict=True)), (a, k)),))
+
+        return geo.contract(one, data, kernel)
+
+    def code(self, out: str, data: str, kernel: str) -> list[str]:
+        g, o = self.groups, self.shape[1]
+        if self.pointwise:
+            return [f"{out} = torch.matmul({kernel}.reshape({g}, {o // g}, -1), {data}.unflatten(1, ({g}, -1))"
+                    f".flatten(3)).reshape({commas(self.shape)})  # 1x1 conv as a matmul"]
+        return [f"{out} = torch.matmul({data}.unflatten(1, ({g}, -1)).flatten(2).transpose(0, 1), {kernel}.reshape("
+                f"{g}, {o // g}, -1).transpose(1, 2)).transpose(0, 1).reshape({commas(self.shape)})"
+                f"  # full-size kernel"]
+
+
+@dataclass(frozen=True)
+class DepthwiseTaps:
+    """A depthwise conv (one channel of y per output channel) with stride 1, summed tap by tap: each tap scales its
+    shifted slice of y by that channel's weight, and adds it into the rows the tap reaches.
+
+    For the few taps of a polyphase phase this beats a conv call: a conv reorders y into oneDNN's blocked layout
+    and its result back, and the phase work is memory-bound (measurements: grad_input.TAPS_MAX_PHASE_TAPS).
+    ``rows`` holds, per tap (row-major over ``counts``) and per dim, the output rows first..stop and the data row
+    that the first of them reads (``spec.tap_rows``); taps that read nothing are left out.
+    """
+
+    counts: Shape
+    rows: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (tap index, per dim (first, stop, data_first))
+    size: Shape  # the spatial size of y
+    shape: Shape
+
+    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        c, nd = kernel.shape[0], len(self.counts)
+        scales = kernel.reshape(c, -1).t().reshape(-1, 1, c, *(1,) * nd)  # (T, 1, C, 1, ..): each tap's weights
+        fused = plain(data) and plain(kernel)
+        out = None
+        if not self._indices or self._indices[0][1] is not None:  # no tap reaches every row: start from zeros
+            out = new_like(data, (data.shape[0], *self.shape[1:]), kernel).zero_()  # (B, C, *rows)
+        for tap, rows, src in self._indices:
+            part = data if src is None else data[src]
+            if out is None:
+                out = part * scales[tap]  # (B, C, *rows), in data's memory format
+            else:
+                add_product_(out if rows is None else out[rows], part, scales[tap], fused)
+        return out
+
+    @functools.cached_property
+    def _indices(self) -> list[tuple[int, tuple[slice, ...] | None, tuple[slice, ...] | None]]:
+        """Per tap, a tap that fills every row first: (tap, rows of the result, rows of y), None where all rows.
+
+        Indexing with whole-dim slices only would return an alias, which the legacy vmap of is_grads_batched
+        cannot batch (``_ops.sliced``); None skips it."""
+        def index(ranges: list[tuple[int, int]], sizes: Shape) -> tuple[slice, ...] | None:
+            if all(a == 0 and b == n for (a, b), n in zip(ranges, sizes, strict=True)):
+                return None
+            return (slice(None), slice(None), *(slice(a, b) for a, b in ranges))
+
+        entries = []
+        for tap, dims in self.rows:
+            rows = index([(first, stop) for first, stop, _ in dims], self.shape[2:])
+            src = [(d, d + stop - first) for first, stop, d in dims]
+            entries.append((tap, rows, src))
+        entries.sort(key=lambda e: e[1] is not None)
+        return [(tap, rows, index(src, self.size)) for tap, rows, src in entries]
+
+    def describe(self) -> str:
+        return f"depthwise conv of {math.prod(self.counts)} taps {self.counts}, summed tap by tap"
+
+    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
+        """Tap q adds data[r + offset_q] into row r; rows whose data row lies outside y read padding."""
+        reach: dict[int, int] = {}  # tap coordinate in this dim -> data row read by result row 0
+        for tap, dims in self.rows:
+            first, _, data_first = dims[dim]
+            reach[_coordinate(tap, self.counts, dim)] = data_first - first
+
+        def one(a: geo.Axis, k: geo.Axis) -> geo.Axis:
+            rows = range(self.shape[2 + dim])
+            return geo.Axis(tuple(geo.Out("out", r, tuple((geo.row_or_pad(a, r + off), k.cells[q]) for q, off in
+                                                          sorted(reach.items())), (a, k)) for r in rows))
+
+        return geo.contract(one, data, kernel)
+
+    def code(self, out: str, data: str, kernel: str) -> list[str]:
+        c, nd = self.shape[1], len(self.counts)
+        lines = [f"{out} = {data}.new_zeros(({data}.shape[0], {commas(self.shape[1:])}))  # depthwise, tap by tap",
+                 f"{out}_w = {kernel}.reshape({c}, -1)"]
+        for tap, dims in self.rows:
+            rows = ", ".join(f"{first}:{stop}" for first, stop, _ in dims)
+            src = ", ".join(f"{d}:{d + stop - first}" for first, stop, d in dims)
+            lines.append(f"{out}[..., {rows}] += {data}[..., {src}] * {out}_w[:, {tap}].reshape(1, {c}"
+                         f"{', 1' * nd})  # tap {tap}")
+        return lines
 
 
 # ---- polyphase grad of x ------------------------------------------------------------------------------------------
@@ -50,12 +220,15 @@ class TakeTaps:
     def describe(self) -> str:
         return f"keep the taps {', '.join(f'{f}::{s}' for f, s in zip(self.first, self.step))} of the flipped kernel"
 
+    def label(self) -> str:
+        return self.describe()
+
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         f, s, c = self.first[dim], self.step[dim], self.shape[2 + dim]
         return geo.each(lambda a: geo.select(a, range(f, f + s * (c - 1) + 1, s)), axis)
 
     def code(self, v: str, shape: Shape) -> list[str]:
-        return [f"{v} = {v}[..., {_slices(self.first, self.step, self.shape[2:])}]  # taps of this phase: {self.shape}"]
+        return [f"{v} = {v}[..., {slices(self.first, self.step, self.shape[2:])}]  # taps of this phase: {self.shape}"]
 
 
 @dataclass(frozen=True)
@@ -94,14 +267,14 @@ class Phase:
     def code(self, out: str, data: str, kernel: str) -> list[str]:
         y = pad_code(f"{out}_y", data, self.pads, "negative crops") if self.pads else [f"{out}_y = {data}"]
         lines = [*y, f"{out}_k = {kernel}", *self.taps.code(f"{out}_k", ())]
-        lines += _contraction_code(self.conv, out, f"{out}_y", f"{out}_k")
+        lines += self.conv.code(out, f"{out}_y", f"{out}_k")
         if any(self.start):
             rows = ", ".join(f"{b}:{b + r}" for b, r in zip(self.start, self.shape[2:], strict=True))
             lines.append(f"{out} = {out}[..., {rows}]  # the rows of this phase")
         return lines
 
 
-def _phase_rows(stride: Shape, rho: Shape) -> tuple[slice, ...]:
+def phase_rows(stride: Shape, rho: Shape) -> tuple[slice, ...]:
     """Where phase rho lands in the big side: rows rho::s in every dim."""
     return tuple(slice(r, None, s) for r, s in zip(rho, stride, strict=True))
 
@@ -125,7 +298,7 @@ class PhaseConvs:
     chunked: bool = False  # memory-bound phases: a few samples at a time on the CPU (CHUNK_BYTES)
 
     def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        out = _new_like(data, self.shape, kernel)
+        out = new_like(data, self.shape, kernel)
         taps = [None if p is None else p.taps(kernel) for p in self.phases]
         write = self._write_pairs if self._pairs_as_complex(out, data, kernel) else self._write_phases
         n, chunk = out.shape[0], self.batch_chunk(out, data)
@@ -147,7 +320,7 @@ class PhaseConvs:
 
     def _write_phases(self, out: torch.Tensor, data: torch.Tensor, taps: list[torch.Tensor | None]) -> None:
         for rho, phase, k in zip(itertools.product(*(range(s) for s in self.stride)), self.phases, taps, strict=True):
-            rows = (..., *_phase_rows(self.stride, rho))
+            rows = (..., *phase_rows(self.stride, rho))
             if phase is None or k is None:
                 out[rows] = 0
             else:
@@ -170,7 +343,7 @@ class PhaseConvs:
         pairs = torch.view_as_complex(out.view(*out.shape[:-1], out.shape[-1] // 2, 2))  # (n, C, *i[:-1], i_last/2)
         phases = iter(zip(self.phases, taps, strict=True))
         for lead in itertools.product(*(range(s) for s in self.stride[:-1])):
-            target = pairs[(..., *_phase_rows(self.stride[:-1], lead), slice(None))]
+            target = pairs[(..., *phase_rows(self.stride[:-1], lead), slice(None))]
             rows = [slice(0, n) for n in target.shape[2:]]
             even, odd = (sliced(p(data, k), rows) for p, k in (next(phases), next(phases)))  # type: ignore[union-attr, arg-type]
             torch.complex(even, odd, out=target)
@@ -194,121 +367,10 @@ class PhaseConvs:
                               else geo.Out("out", u, phase=u % s) for u in range(self.shape[2 + dim])))
 
     def code(self, out: str, data: str, kernel: str) -> list[str]:
-        lines = [f"{out} = {data}.new_zeros({_dims(self.shape)})  # phases no tap reaches stay zero"]
+        lines = [f"{out} = {data}.new_zeros({commas(self.shape)})  # phases no tap reaches stay zero"]
         for p in self.phases:
             if p is not None:
                 rows = ", ".join(f"{r}::{s}" for r, s in zip(p.rho, self.stride, strict=True))
                 lines += [f"# phase {p.rho}", *p.code("p", data, kernel),
                           f"{out}[..., {rows}] = p[..., {_counts(self.stride, self.shape[2:], p.rho)}]"]
         return lines
-
-
-# ---- sub-pixel grad of x: every phase in one conv -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SubpixelKernel:
-    """(C_x, C_y/g, *k) -> (g*P*C_x/g, C_y/g, *fused): each phase's taps, shifted into one common kernel."""
-
-    groups: int
-    phases: tuple[tuple[PhaseTaps | None, ...], ...]  # per dim, per rho
-    offsets: tuple[tuple[int, ...], ...]  # per dim, per rho
-    shape: Shape
-
-    def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        c_x, cyg, *_ = w.shape
-        fused = self.shape[2:]
-        w = w.reshape(self.groups, c_x // self.groups, cyg, *w.shape[2:])  # (g, C_x/g, C_y/g, *k)
-        subs = []
-        for combo in itertools.product(*(range(len(dim)) for dim in self.phases)):
-            taps = [dim[r] for dim, r in zip(self.phases, combo)]
-            if any(t is None for t in taps):
-                subs.append(w.new_zeros(*w.shape[:3], *fused))
-                continue
-            sub = w[(..., *(slice(t.first, t.first + t.step * (t.count - 1) + 1, t.step) for t in taps))]
-            shifts = [(off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps)]
-            subs.append(pad(sub, shifts))  # (g, C_x/g, C_y/g, *fused)
-        return torch.stack(subs, 1).reshape(self.shape)  # (g*P*C_x/g, C_y/g, *fused)
-
-    def describe(self) -> str:
-        return (f"gather each phase's taps into one kernel of {self.shape[2:]} taps per phase, "
-                f"phases as output channels within each of the {self.groups} group(s)")
-
-    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
-        """One member per phase rho: its taps of the flipped kernel at their offset, zero taps around them."""
-        fused = self.shape[2 + dim]
-        members = []
-        for rho, t in enumerate(self.phases[dim]):
-            zeros = [geo.Cell("zero", 0)] * fused
-            if t is None:
-                members.append(geo.renumber(geo.Axis(()), zeros))
-                continue
-            off = self.offsets[dim][rho]
-            taps = [axis.cells[t.first + t.step * q] for q in range(t.count)]  # type: ignore[union-attr]
-            members.append(geo.renumber(geo.Axis(()), [*zeros[:off], *taps, *zeros[off + t.count:]]))
-        return geo.Family(tuple(members), False)
-
-    def code(self, v: str, shape: Shape) -> list[str]:
-        c_x, cyg, *k = shape
-        fused = self.shape[2:]
-        lines = [f"{v}_w = {v}.reshape({_dims((self.groups, c_x // self.groups, cyg, *k))})  # (g, C_x/g, C_y/g, *k)",
-                 "subs = []"]
-        for combo in itertools.product(*(range(len(dim)) for dim in self.phases)):
-            taps = [dim[r] for dim, r in zip(self.phases, combo)]
-            if any(t is None for t in taps):
-                zeros = (self.groups, c_x // self.groups, cyg, *fused)
-                lines.append(f"subs.append({v}_w.new_zeros({_dims(zeros)}))")
-                continue
-            sl = _slices(*zip(*((t.first, t.step, t.count) for t in taps)))  # type: ignore[union-attr]
-            shifts = tuple((off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps))  # type: ignore[union-attr]
-            lines.append(f"subs.append(F.pad({v}_w[..., {sl}], {_flat(shifts)}))  # phase {combo}")
-        return [*lines, f"{v} = torch.stack(subs, 1).reshape({_dims(self.shape)})  # every phase's taps: {self.shape}"]
-
-
-@dataclass(frozen=True)
-class DepthToSpace:
-    """(N, g*P*C_x/g, *rows) -> (N, C_x, *i): the channels of phase rho become the rows rho::s (cropped to i).
-
-    The phases' rows begin ``start`` rows into the conv's output (rows a symmetric conv padding added).
-    """
-
-    groups: int
-    stride: Shape
-    shape: Shape
-    start: Shape = ()
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        n, _, *rows = t.shape
-        g, c_x = self.groups, self.shape[1]
-        phases = t.view(n, g, math.prod(self.stride), c_x // g, *rows)  # (N, g, P, C_x/g, *rows)
-        out = _new_like(t, self.shape)
-        grouped = out.view(n, g, c_x // g, *self.shape[2:])  # (N, g, C_x/g, *i)
-        start = self.start or (0,) * len(rows)
-        for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
-            where = (..., *_phase_rows(self.stride, rho))
-            rows_of_p = (slice(b, b + m) for b, m in zip(start, grouped[where].shape[3:], strict=True))
-            grouped[where] = sliced(phases[:, :, p], list(rows_of_p))
-        return out
-
-    def describe(self) -> str:
-        return f"depth to space: the channels of phase rho become the rows rho::{self.stride}"
-
-    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
-        """Row u of the big side is row start + u // s of phase u % s's result."""
-        s, b = self.stride[dim], (self.start[dim] if self.start else 0)
-        members = axis.members if isinstance(axis, geo.Family) else (axis,)
-        return geo.Axis(tuple(members[u % s].cells[b + u // s]._replace(key=u, phase=u % s)  # type: ignore[union-attr]
-                              for u in range(self.shape[2 + dim])))
-
-    def code(self, v: str, shape: Shape) -> list[str]:
-        n, _, *rows = shape
-        g, c_x = self.groups, self.shape[1]
-        lines = [f"{v}_p = {v}.reshape({_dims((n, g, math.prod(self.stride), c_x // g, *rows))})  # (N, g, P, "
-                 f"C_x/g, *rows)", f"{v} = {v}.new_zeros({_dims((n, g, c_x // g, *self.shape[2:]))})"]
-        start = self.start or (0,) * len(rows)
-        for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
-            where = ", ".join(f"{r}::{s}" for r, s in zip(rho, self.stride, strict=True))
-            rows_of_p = ", ".join(f"{b}:{b + len(range(r, i, s))}" for b, r, s, i in
-                                  zip(start, rho, self.stride, self.shape[2:], strict=True))
-            lines.append(f"{v}[..., {where}] = {v}_p[:, :, {p}][..., {rows_of_p}]")
-        return [*lines, f"{v} = {v}.reshape({_dims(self.shape)})  # depth to space: {self.shape}"]
-

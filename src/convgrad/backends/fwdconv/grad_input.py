@@ -1,23 +1,14 @@
-"""The fwdconv backend: every gradient written with forward convolutions only (the seeds' method).
+"""The fwdconv plans of x from y: grad_input of a forward conv, and the forward of a transposed one.
 
 Contractions, per group (x: big side, y: small side, T: kernel taps; DESIGN.md):
     grad of x   [N, C_y/g, zero-inserted y] * flip(w)^T [C_x/g, C_y/g, T]  -> [N, C_x/g, i]
                  (stride 1, dilation d; y zero-inserted by s and padded by transpose_pads)
+    polyphase   x rows rho::s  =  y padded * flipped taps first::s/g      (one small conv per phase)
+    sub-pixel   [N, C_y/g, y] * [P*C_x/g, C_y/g, fused taps] -> [N, P*C_x/g, ceil(i/s)] -> depth to space
     grad of y   [N, C_x/g, x] * w [C_y/g, C_x/g, T]                        -> [N, C_y/g, o]
                  (stride s, dilation d: the forward conv; used by transposed convs)
-    grad of w   [C_x/g, N, x] * y^T [C_y/g, N, o]                          -> [C_x/g, C_y/g, T]
-                 (batch and channels swapped, stride d, dilation s; groups folded into channels)
-Faster forms of the same sums, chosen per layer and per gradient by rules from measurements
-(``_input_method`` here, ``fwdconv_weight.weight_method``): polyphase and sub-pixel grad of x, with
-no products with inserted zeros (fwdconv_phases.py); 1x1 convs as matmuls (fwdconv_steps.py); grad
-of w with the batch folded into the groups, the taps folded into the batch, or the dilation blocks
-folded into channels (fwdconv_weight.py).
-
-Work happens in two steps. ``plan_input_grad(spec)`` / ``plan_weight_grad(spec)``
-turn a ConvSpec into a ``Plan``: a short list of plain steps that depends on
-shapes only. ``execute(plan, data, kernel)`` runs it on tensors. ``convgrad.explain``
-renders the very same Plan objects, so what is explained is what runs. Every step
-is a differentiable torch op, so gradients of any order come from autograd.
+Polyphase and sub-pixel make no products with inserted zeros; a stride-1 1x1 conv is a matmul. ``input_method``
+chooses among them by the measured constants below; the two steps only sub-pixel uses are at the end.
 """
 
 from __future__ import annotations
@@ -25,44 +16,114 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import torch
 
-from convgrad.backends import Backend, register
-from convgrad.backends.fwdconv import grad_weight as fwdconv_weight
-from convgrad.backends.fwdconv.contractions import DepthToSpace, Phase, PhaseConvs, SubpixelKernel, TakeTaps
-from convgrad.backends.fwdconv.plan import (
+from convgrad._ops import pad, sliced
+from convgrad.backends.fwdconv import geometry as geo
+from convgrad.backends.fwdconv.contractions import (
     Conv,
-    Flip,
-    Pad,
-    Plan,
-    Step,
-    SwapGroupChannels,
-    ZeroInsert,
-    execute,
-    pad_or_fold,
+    DepthwiseTaps,
+    MatMul,
+    Phase,
+    PhaseConvs,
+    TakeTaps,
+    phase_rows,
 )
-from convgrad.backends.fwdconv.steps import Contraction, DepthwiseTaps, MatMul, Subsample
+from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, flat, slices
+from convgrad.backends.fwdconv.steps import Flip, Pad, Subsample, SwapGroupChannels, ZeroInsert, new_like, pad_or_fold
 from convgrad.spec import ConvSpec, Pair, PhaseTaps, tap_rows
 
 Shape = tuple[int, ...]
 
+__all__ = ["CHUNK_MAX_CHANNELS", "INPUT_METHODS", "SUBPIXEL_MAX_CHANNELS", "TAPS_MAX_PHASE_TAPS", "DepthToSpace",
+           "SubpixelKernel", "input_method", "plan_forward", "plan_input_grad"]
+
+# Measured with benchmarks/fwdconv_methods.py (2-core AVX-512 CPU, oneDNN, float32, 1 and 2 threads; ratios to
+# native): sub-pixel's single conv wins when the layer has few input channels (ResNet stem: 3, wav2vec2's first
+# conv: 1; 0.37-0.63 vs polyphase 1.3-2.0); separate phases win for wide layers (ResNet 3x3/2: 0.45-1.09 vs
+# 0.64-1.4; 1x1/2: 0.25-0.58 vs 0.9-1.8), whose fused kernel multiplies many zero taps, and for depthwise ones
+# (0.43-1.56 vs 0.61-2.45), whose fused kernel has a channel multiplier that oneDNN runs slowly.
+SUBPIXEL_MAX_CHANNELS = 16
+# Phases reading at most this many channels of y per group are memory-bound, and are computed a few samples at a
+# time on the CPU (contractions.CHUNK_BYTES). Measured grad_input, whole batch -> chunks: depthwise 3x3/2 9.5-11.8
+# -> 5.7-6.3 ms, depthwise 1d k3/2 26.9 -> 19.0 ms, 8 channels per group 21.5 -> 20.2 ms; but 16 per group
+# 10.8 -> 13.0 ms and ResNet-50's 3x3/2 14.8 -> 17.9 ms, where the conv, not the memory, is the cost.
+CHUNK_MAX_CHANNELS = 8
+# Depthwise phases with at most this many taps are summed tap by tap (contractions.DepthwiseTaps), not by a conv call.
+# Measured, grad_input of 16 samples, paired rounds, taps / convs: MobileNetV2's depthwise 3x3/2 (phases of 1, 2, 2
+# and 4 taps) 4.2 / 5.8 ms (native 3.8 ms); depthwise 1d k3/2 (512 channels, 4000 long) 9.8 / 12.7 ms (native 16.7).
+TAPS_MAX_PHASE_TAPS = 4
+INPUT_METHODS = ("zero_insert", "polyphase", "subpixel")
+
+
+def input_method(spec: ConvSpec) -> tuple[str, str]:
+    """The x-from-y formulation for this spec, and why."""
+    if all(s == 1 for s in spec.stride):
+        if all(k == 1 for k in spec.kernel_size) and spec.groups == 1:
+            return "matmul", "stride 1 and a 1x1 kernel: a matmul"
+        return "direct", "stride 1: no zeros to insert"
+    if spec.subpixel_taps is not None and spec.groups == 1 and spec.x_channels < SUBPIXEL_MAX_CHANNELS:
+        return "subpixel", f"strided, fewer than {SUBPIXEL_MAX_CHANNELS} input channels: one fused conv"
+    return "polyphase", "strided: one conv per phase, no products with inserted zeros"
+
+
+
+@lru_cache(maxsize=1024)
+def plan_input_grad(spec: ConvSpec, method: str | None = None) -> Plan:
+    """The plan for grad_input: the x-gradient of a forward conv, the y-gradient of a transposed one.
+
+    ``method`` forces a formulation of the x-gradient (one of INPUT_METHODS); None lets the rules choose.
+    """
+    if spec.transposed:
+        return _grad_y_plan(spec, "grad_input", "grad_output")
+    return _x_plan(spec, "grad_input", "grad_output", method, "plan_input_grad")
+
+
+def _x_plan(spec: ConvSpec, gradient: str, data: str, method: str | None, fn: str) -> Plan:
+    """x from y by the formulation ``method`` (None: the rules choose)."""
+    chosen, reason = input_method(spec) if method is None else (method, "forced")
+    if chosen in ("direct", "zero_insert", "matmul"):
+        return _grad_x_plan(spec, gradient, data, chosen == "matmul", reason)
+    if chosen == "polyphase":
+        return _polyphase_plan(spec, gradient, data, reason)
+    if chosen == "subpixel":
+        return _subpixel_plan(spec, gradient, data, reason)
+    raise ValueError(f"{fn}: method={method!r} must be None or one of {INPUT_METHODS}")
+
+
+@lru_cache(maxsize=256)
+def plan_forward(spec: ConvSpec, method: str | None = None) -> Plan:
+    """The plan of the convolution itself, for explain's pictures (the forward pass runs torch's own conv).
+
+    A forward conv reads x at stride s (the grad-of-y plan); a transposed conv computes x from y, as a
+    forward conv's grad_input does, by the formulation ``method`` (one of INPUT_METHODS; None: the textbook
+    zero-insertion, or a direct conv at stride 1).
+    """
+    if not spec.transposed:
+        return _grad_y_plan(spec, "output", "input")
+    plan = _x_plan(spec, "output", "input", method or "zero_insert", "plan_forward")
+    return plan if method else dataclasses.replace(plan, reason="the textbook form of a transposed conv")
+
+
+
+# ---- builders ------------------------------------------------------------------------------------------------------
 
 def _grad_x_plan(spec: ConvSpec, gradient: str, data: str, pointwise: bool = False, reason: str = "") -> Plan:
     """x from y: zero-insert, pad, and a stride-1 conv with the flipped, channel-swapped kernel."""
-    n_, cy, g = spec.batch, spec.y_channels, spec.groups
+    n_, cy = spec.batch, spec.y_channels
     steps: list[Step] = []
     if any(s > 1 for s in spec.stride):
         steps.append(ZeroInsert(spec.stride, (n_, cy, *spec.zero_inserted_size)))
     before = (n_, cy, *(spec.zero_inserted_size))
     pad_steps, conv_pad, _ = pad_or_fold(spec.transpose_pads, before, (n_, cy, *spec.transpose_padded_size))
-    kernel_steps = (Flip(spec.weight_shape), SwapGroupChannels(g, (spec.x_channels, cy // g, *spec.kernel_size)))
-    conv: Contraction = Conv((1,) * spec.n, conv_pad, spec.dilation, g, spec.x_shape)
+    kernel_steps = _grad_x_kernel_steps(spec)
+    conv: Contraction = Conv((1,) * spec.n, conv_pad, spec.dilation, spec.groups, spec.x_shape)
     method = "zero_insert" if steps else "direct"
     if pointwise:  # stride 1 and a 1x1 kernel: the pads only crop, and the conv is a matmul
-        conv, method = MatMul(g, True, spec.x_shape), "matmul"
+        conv, method = MatMul(spec.groups, True, spec.x_shape), "matmul"
     return Plan(gradient, spec, data, "weight", (*steps, *pad_steps), kernel_steps, conv, (), spec.x_shape, method,
                 reason)
 
@@ -161,113 +222,117 @@ def _subpixel_plan(spec: ConvSpec, gradient: str, data: str, reason: str = "") -
                 "subpixel", reason)
 
 
-# Measured with benchmarks/fwdconv_methods.py (2-core AVX-512 CPU, oneDNN, float32, 1 and 2 threads; ratios to
-# native): sub-pixel's single conv wins when the layer has few input channels (ResNet stem: 3, wav2vec2's first
-# conv: 1; 0.37-0.63 vs polyphase 1.3-2.0); separate phases win for wide layers (ResNet 3x3/2: 0.45-1.09 vs
-# 0.64-1.4; 1x1/2: 0.25-0.58 vs 0.9-1.8), whose fused kernel multiplies many zero taps, and for depthwise ones
-# (0.43-1.56 vs 0.61-2.45), whose fused kernel has a channel multiplier that oneDNN runs slowly.
-SUBPIXEL_MAX_CHANNELS = 16
-# Phases reading at most this many channels of y per group are memory-bound, and are computed a few samples at a
-# time on the CPU (fwdconv_phases.CHUNK_BYTES). Measured grad_input, whole batch -> chunks: depthwise 3x3/2 9.5-11.8
-# -> 5.7-6.3 ms, depthwise 1d k3/2 26.9 -> 19.0 ms, 8 channels per group 21.5 -> 20.2 ms; but 16 per group
-# 10.8 -> 13.0 ms and ResNet-50's 3x3/2 14.8 -> 17.9 ms, where the conv, not the memory, is the cost.
-CHUNK_MAX_CHANNELS = 8
-# Depthwise phases with at most this many taps are summed tap by tap (fwdconv_steps.DepthwiseTaps), not by a conv call.
-# Measured, grad_input of 16 samples, paired rounds, taps / convs: MobileNetV2's depthwise 3x3/2 (phases of 1, 2, 2
-# and 4 taps) 4.2 / 5.8 ms (native 3.8 ms); depthwise 1d k3/2 (512 channels, 4000 long) 9.8 / 12.7 ms (native 16.7).
-TAPS_MAX_PHASE_TAPS = 4
-INPUT_METHODS = ("zero_insert", "polyphase", "subpixel")
-WEIGHT_METHODS = ("kernel", "per_sample", "taps", "blocks", "phases")
+# ---- sub-pixel grad of x: every phase in one conv -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SubpixelKernel:
+    """(C_x, C_y/g, *k) -> (g*P*C_x/g, C_y/g, *fused): each phase's taps, shifted into one common kernel."""
+
+    groups: int
+    phases: tuple[tuple[PhaseTaps | None, ...], ...]  # per dim, per rho
+    offsets: tuple[tuple[int, ...], ...]  # per dim, per rho
+    shape: Shape
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        c_x, cyg, *_ = w.shape
+        fused = self.shape[2:]
+        w = w.reshape(self.groups, c_x // self.groups, cyg, *w.shape[2:])  # (g, C_x/g, C_y/g, *k)
+        subs = []
+        for combo in itertools.product(*(range(len(dim)) for dim in self.phases)):
+            taps = [dim[r] for dim, r in zip(self.phases, combo)]
+            if any(t is None for t in taps):
+                subs.append(w.new_zeros(*w.shape[:3], *fused))
+                continue
+            sub = w[(..., *(slice(t.first, t.first + t.step * (t.count - 1) + 1, t.step) for t in taps))]
+            shifts = [(off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps)]
+            subs.append(pad(sub, shifts))  # (g, C_x/g, C_y/g, *fused)
+        return torch.stack(subs, 1).reshape(self.shape)  # (g*P*C_x/g, C_y/g, *fused)
+
+    def describe(self) -> str:
+        return (f"gather each phase's taps into one kernel of {self.shape[2:]} taps per phase, "
+                f"phases as output channels within each of the {self.groups} group(s)")
+
+    def label(self) -> str:
+        return "each phase's taps in one kernel"
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """One member per phase rho: its taps of the flipped kernel at their offset, zero taps around them."""
+        fused = self.shape[2 + dim]
+        members = []
+        for rho, t in enumerate(self.phases[dim]):
+            zeros = [geo.Cell("zero", 0)] * fused
+            if t is None:
+                members.append(geo.renumber(geo.Axis(()), zeros))
+                continue
+            off = self.offsets[dim][rho]
+            taps = [axis.cells[t.first + t.step * q] for q in range(t.count)]  # type: ignore[union-attr]
+            members.append(geo.renumber(geo.Axis(()), [*zeros[:off], *taps, *zeros[off + t.count:]]))
+        return geo.Family(tuple(members), False)
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        c_x, cyg, *k = shape
+        fused = self.shape[2:]
+        lines = [f"{v}_w = {v}.reshape({commas((self.groups, c_x // self.groups, cyg, *k))})  # (g, C_x/g, C_y/g, *k)",
+                 "subs = []"]
+        for combo in itertools.product(*(range(len(dim)) for dim in self.phases)):
+            taps = [dim[r] for dim, r in zip(self.phases, combo)]
+            if any(t is None for t in taps):
+                zeros = (self.groups, c_x // self.groups, cyg, *fused)
+                lines.append(f"subs.append({v}_w.new_zeros({commas(zeros)}))")
+                continue
+            sl = slices(*zip(*((t.first, t.step, t.count) for t in taps)))  # type: ignore[union-attr]
+            shifts = tuple((off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps))  # type: ignore[union-attr]
+            lines.append(f"subs.append(F.pad({v}_w[..., {sl}], {flat(shifts)}))  # phase {combo}")
+        return [*lines, f"{v} = torch.stack(subs, 1).reshape({commas(self.shape)})  # every phase's taps: {self.shape}"]
 
 
-def _input_method(spec: ConvSpec) -> tuple[str, str]:
-    if all(s == 1 for s in spec.stride):
-        if all(k == 1 for k in spec.kernel_size) and spec.groups == 1:
-            return "matmul", "stride 1 and a 1x1 kernel: a matmul"
-        return "direct", "stride 1: no zeros to insert"
-    if spec.subpixel_taps is not None and spec.groups == 1 and spec.x_channels < SUBPIXEL_MAX_CHANNELS:
-        return "subpixel", f"strided, fewer than {SUBPIXEL_MAX_CHANNELS} input channels: one fused conv"
-    return "polyphase", "strided: one conv per phase, no products with inserted zeros"
+@dataclass(frozen=True)
+class DepthToSpace:
+    """(N, g*P*C_x/g, *rows) -> (N, C_x, *i): the channels of phase rho become the rows rho::s (cropped to i).
 
-
-@lru_cache(maxsize=1024)
-def plan_input_grad(spec: ConvSpec, method: str | None = None) -> Plan:
-    """The plan for grad_input: the x-gradient of a forward conv, the y-gradient of a transposed one.
-
-    ``method`` forces a formulation of the x-gradient (one of INPUT_METHODS); None lets the rules choose.
+    The phases' rows begin ``start`` rows into the conv's output (rows a symmetric conv padding added).
     """
-    if spec.transposed:
-        return _grad_y_plan(spec, "grad_input", "grad_output")
-    return _x_plan(spec, "grad_input", "grad_output", method, "plan_input_grad")
 
+    groups: int
+    stride: Shape
+    shape: Shape
+    start: Shape = ()
 
-def _x_plan(spec: ConvSpec, gradient: str, data: str, method: str | None, fn: str) -> Plan:
-    """x from y by the formulation ``method`` (None: the rules choose)."""
-    chosen, reason = _input_method(spec) if method is None else (method, "forced")
-    if chosen in ("direct", "zero_insert", "matmul"):
-        return _grad_x_plan(spec, gradient, data, chosen == "matmul", reason)
-    if chosen == "polyphase":
-        return _polyphase_plan(spec, gradient, data, reason)
-    if chosen == "subpixel":
-        return _subpixel_plan(spec, gradient, data, reason)
-    raise ValueError(f"{fn}: method={method!r} must be None or one of {INPUT_METHODS}")
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        n, _, *rows = t.shape
+        g, c_x = self.groups, self.shape[1]
+        phases = t.view(n, g, math.prod(self.stride), c_x // g, *rows)  # (N, g, P, C_x/g, *rows)
+        out = new_like(t, self.shape)
+        grouped = out.view(n, g, c_x // g, *self.shape[2:])  # (N, g, C_x/g, *i)
+        start = self.start or (0,) * len(rows)
+        for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
+            where = (..., *phase_rows(self.stride, rho))
+            rows_of_p = (slice(b, b + m) for b, m in zip(start, grouped[where].shape[3:], strict=True))
+            grouped[where] = sliced(phases[:, :, p], list(rows_of_p))
+        return out
 
+    def describe(self) -> str:
+        return f"depth to space: the channels of phase rho become the rows rho::{self.stride}"
 
-@lru_cache(maxsize=256)
-def plan_forward(spec: ConvSpec, method: str | None = None) -> Plan:
-    """The plan of the convolution itself, for explain's pictures (the forward pass runs torch's own conv).
+    def label(self) -> str:
+        return self.describe()
 
-    A forward conv reads x at stride s (the grad-of-y plan); a transposed conv computes x from y, as a
-    forward conv's grad_input does, by the formulation ``method`` (one of INPUT_METHODS; None: the textbook
-    zero-insertion, or a direct conv at stride 1).
-    """
-    if not spec.transposed:
-        return _grad_y_plan(spec, "output", "input")
-    plan = _x_plan(spec, "output", "input", method or "zero_insert", "plan_forward")
-    return plan if method else dataclasses.replace(plan, reason="the textbook form of a transposed conv")
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """Row u of the big side is row start + u // s of phase u % s's result."""
+        s, b = self.stride[dim], (self.start[dim] if self.start else 0)
+        members = axis.members if isinstance(axis, geo.Family) else (axis,)
+        return geo.Axis(tuple(members[u % s].cells[b + u // s]._replace(key=u, phase=u % s)  # type: ignore[union-attr]
+                              for u in range(self.shape[2 + dim])))
 
-
-@lru_cache(maxsize=1024)
-def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
-    """The plan for grad_weight: x convolved with y as the kernel, batch, taps or blocks folded as chosen.
-
-    ``method`` forces a formulation (one of WEIGHT_METHODS); None lets the rules choose.
-    """
-    x_name, y_name = ("grad_output", "input") if spec.transposed else ("input", "grad_output")
-    chosen, reason = fwdconv_weight.weight_method(spec) if method is None else (method, "forced")
-    if chosen not in fwdconv_weight.BUILDERS:
-        raise ValueError(f"plan_weight_grad: method={method!r} must be None or one of {WEIGHT_METHODS}")
-    why = fwdconv_weight.refusal(chosen, spec)
-    if why:  # even for a batch of 0, whose sum is empty: the method is wrong for the layer
-        raise ValueError(f"plan_weight_grad: method={chosen!r} {why}; {spec.describe()}")
-    if spec.batch == 0:
-        return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), spec.weight_shape, "empty", "batch 0")
-    data_steps, kernel_steps, conv, post = fwdconv_weight.BUILDERS[chosen](spec)
-    return Plan("grad_weight", spec, x_name, y_name, data_steps, kernel_steps, conv, post, spec.weight_shape,
-                chosen, reason)
-
-
-def _planned(planner: Any, spec: ConvSpec, *method: str | None) -> Plan:
-    """``planner(spec, *method)`` through its lru_cache; while torch.compile traces, the uncached function: Dynamo
-    traces through the cache anyway, and warns about it ("Silent incorrectness is only a potential risk")."""
-    if torch.compiler.is_compiling():
-        return planner.__wrapped__(spec, *method)  # type: ignore[no-any-return]
-    return planner(spec, *method)  # type: ignore[no-any-return]
-
-
-@register
-class FwdConvBackend(Backend):
-    """Forward convolutions, pads, flips and reshapes only; never a convolution_backward."""
-
-    name = "fwdconv"
-    supports_complex = True
-
-    def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        # torch's complex convention: the gradient pairs grad_output with conj(weight) (a no-op for real dtypes)
-        return execute(_planned(plan_input_grad, spec), grad_output, weight.conj())
-
-    def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        input = input.conj()  # torch's complex convention, as in input_grad
-        x, y = (grad_output, input) if spec.transposed else (input, grad_output)
-
-        return execute(_planned(plan_weight_grad, spec, fwdconv_weight.im2col_weight_method(spec, grad_output)), x, y)
+    def code(self, v: str, shape: Shape) -> list[str]:
+        n, _, *rows = shape
+        g, c_x = self.groups, self.shape[1]
+        lines = [f"{v}_p = {v}.reshape({commas((n, g, math.prod(self.stride), c_x // g, *rows))})  # (N, g, P, "
+                 f"C_x/g, *rows)", f"{v} = {v}.new_zeros({commas((n, g, c_x // g, *self.shape[2:]))})"]
+        start = self.start or (0,) * len(rows)
+        for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
+            where = ", ".join(f"{r}::{s}" for r, s in zip(rho, self.stride, strict=True))
+            rows_of_p = ", ".join(f"{b}:{b + len(range(r, i, s))}" for b, r, s, i in
+                                  zip(start, rho, self.stride, self.shape[2:], strict=True))
+            lines.append(f"{v}[..., {where}] = {v}_p[:, :, {p}][..., {rows_of_p}]")
+        return [*lines, f"{v} = {v}.reshape({commas(self.shape)})  # depth to space: {self.shape}"]

@@ -7,7 +7,8 @@ Contractions, per group (x: big side, y: small side, T taps, P positions of y; D
     blocks      stride 1, dilation d: blocks of d rows folded into channels, a stride-1 conv (space to depth)
     phases      stride s, dilation 1: x's phases rho::s folded into channels, per-sample stride-1 convs
 
-Each builder returns (data steps, kernel steps, contraction, post steps) for fwdconv.plan_weight_grad.
+Each builder returns (data steps, kernel steps, contraction, post steps) for ``plan_weight_grad``; the rules
+(``weight_method``, ``im2col_weight_method``) choose among them by the measured constants here.
 """
 
 from __future__ import annotations
@@ -15,38 +16,55 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from convgrad._ops import batched_like, sliced
 from convgrad.backends.fwdconv import geometry as geo
-from convgrad.backends.fwdconv.plan import (
-    BatchIntoChannels,
-    Conv,
-    Pad,
-    Step,
-    SwapBatchChannels,
-    pad_code,
-    pad_or_fold,
-)
+from convgrad.backends.fwdconv.contractions import Conv, MatMul
+from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, pad_code
 from convgrad.backends.fwdconv.steps import (
-    BatchIntoGroups,
-    Contraction,
+    BatchFold,
     FoldTaps,
-    MatMul,
+    Pad,
     SamplesIntoChannels,
     SpaceToDepth,
     SumSamples,
+    SwapBatchChannels,
     TapsToKernel,
-    _channels_last,
-    _dims,
+    channels_last,
+    pad_or_fold,
 )
 from convgrad.spec import ConvSpec, Pair
 
 Shape = tuple[int, ...]
 
 __all__ = ["BUILDERS", "ONEDNN_DTYPES", "PER_SAMPLE_MAX_BATCH", "PER_SAMPLE_MAX_CHANNELS", "TAPS_MAX_ELEMENTS",
-           "PhasesToKernel", "StrideToDepth", "im2col_weight_method", "refusal", "weight_method"]
+           "WEIGHT_METHODS", "PhasesToKernel", "StrideToDepth", "im2col_weight_method", "plan_weight_grad", "refusal",
+           "weight_method"]
+
+WEIGHT_METHODS = ("kernel", "per_sample", "taps", "blocks", "phases")
+
+
+@lru_cache(maxsize=1024)
+def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
+    """The plan for grad_weight: x convolved with y as the kernel, batch, taps or blocks folded as chosen.
+
+    ``method`` forces a formulation (one of WEIGHT_METHODS); None lets the rules choose.
+    """
+    x_name, y_name = ("grad_output", "input") if spec.transposed else ("input", "grad_output")
+    chosen, reason = weight_method(spec) if method is None else (method, "forced")
+    if chosen not in BUILDERS:
+        raise ValueError(f"plan_weight_grad: method={method!r} must be None or one of {WEIGHT_METHODS}")
+    why = refusal(chosen, spec)
+    if why:  # even for a batch of 0, whose sum is empty: the method is wrong for the layer
+        raise ValueError(f"plan_weight_grad: method={chosen!r} {why}; {spec.describe()}")
+    if spec.batch == 0:
+        return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), spec.weight_shape, "empty", "batch 0")
+    data_steps, kernel_steps, conv, post = BUILDERS[chosen](spec)
+    return Plan("grad_weight", spec, x_name, y_name, data_steps, kernel_steps, conv, post, spec.weight_shape,
+                chosen, reason)
 
 
 def weight_method(spec: ConvSpec) -> tuple[str, str]:
@@ -136,7 +154,7 @@ class StrideToDepth:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n, c, *size = t.shape
         g, u, nd = self.groups, self.shape[2:], len(size)
-        if _channels_last(t):  # the result channels last too: (C_x/g, *s, *U, N, g) in memory
+        if channels_last(t):  # the result channels last too: (C_x/g, *s, *U, N, g) in memory
             out = t.new_zeros((c // g, *self.stride, *u, n, g)).movedim((-2, -1), (1 + nd, 2 + nd))
         else:
             out = t.new_zeros((c // g, *self.stride, n, g, *u))
@@ -152,6 +170,9 @@ class StrideToDepth:
         return (f"pad (lo, hi) = {self.pads} per spatial dim and split into the phases rho::{self.stride} "
                 f"(sample-major: every phase a channel, the batch in the groups)")
 
+    def label(self) -> str:
+        return f"pad (lo, hi) = {self.pads} and split into the phases rho::{self.stride}"
+
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """One member per phase rho < s of the padded rows: rho, rho + s, ...; each gets its own results (taps)."""
         s, (lo, hi) = self.stride[dim], self.pads[dim]
@@ -163,7 +184,7 @@ class StrideToDepth:
         padded = (n, c, *(i + lo + hi for i, (lo, hi) in zip(size, self.pads)))
         split, perm = self._split(padded)
         return [*pad_code(v, v, self.pads, f"{padded}"),
-                f"{v} = {v}.reshape({_dims(split)}).permute({_dims(perm)}).reshape({_dims(self.shape)})"
+                f"{v} = {v}.reshape({commas(split)}).permute({commas(perm)}).reshape({commas(self.shape)})"
                 f"  # phases into channels: {self.shape}"]
 
 
@@ -190,6 +211,9 @@ class PhasesToKernel:
     def describe(self) -> str:
         return f"interleave the phases' results: result q of phase rho is tap {self.stride}*q + rho"
 
+    def label(self) -> str:
+        return "the phases' results interleaved into taps"
+
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """Tap t is row t // s of phase t % s's results."""
         if not isinstance(axis, geo.Family):
@@ -201,7 +225,7 @@ class PhasesToKernel:
     def code(self, v: str, shape: Shape) -> list[str]:
         split, perm, taps = self._steps(shape)
         crop = ", ".join(f":{k}" for k in self.shape[2:])
-        return [f"{v} = {v}.reshape({_dims(split)}).permute({_dims(perm)}).reshape({_dims(taps)})[..., {crop}]"
+        return [f"{v} = {v}.reshape({commas(split)}).permute({commas(perm)}).reshape({commas(taps)})[..., {crop}]"
                 f"  # phases back into taps: {self.shape}"]
 
 
@@ -241,7 +265,7 @@ def _kernel_plan(spec: ConvSpec) -> _Parts:
     """x (batch folded into channels) convolved with y as the kernel: stride d, dilation s."""
     g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
     pad_steps, padded, conv_pad, crop = _x_pads(spec)
-    data_steps = (*pad_steps, BatchIntoChannels(g, (cx // g, g * n_, *padded[2:])))
+    data_steps = (*pad_steps, BatchFold(g, "group_major", (cx // g, g * n_, *padded[2:])))
     taps = tuple(k - lo - hi for k, (lo, hi) in zip(spec.kernel_size, crop))
     conv = Conv(spec.dilation, conv_pad, spec.stride, g, (cx // g, cy, *taps))
     post = (*_crop_taps(spec, crop, (cx // g, cy)), SwapBatchChannels(spec.weight_shape))
@@ -252,7 +276,7 @@ def _per_sample_plan(spec: ConvSpec) -> _Parts:
     """The same conv per sample, the batch folded into the groups, then the samples summed."""
     g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
     pad_steps, padded, conv_pad, crop = _x_pads(spec)
-    data_steps = (*pad_steps, BatchIntoGroups(g, (cx // g, n_ * g, *padded[2:])))
+    data_steps = (*pad_steps, BatchFold(g, "sample_major", (cx // g, n_ * g, *padded[2:])))
     taps = tuple(k - lo - hi for k, (lo, hi) in zip(spec.kernel_size, crop))
     conv = Conv(spec.dilation, conv_pad, spec.stride, n_ * g, (cx // g, n_ * cy, *taps))
     post = (*_crop_taps(spec, crop, (cx // g, n_ * cy)), SumSamples(n_, (cx // g, cy, *spec.kernel_size)),

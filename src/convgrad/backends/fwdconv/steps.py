@@ -1,234 +1,268 @@
-"""The faster steps of the fwdconv plans: matmuls and folds (forward convolutions only); phases are in
-fwdconv_phases.py.
+"""The plain steps of the fwdconv plans: pads, zero-insertion, flips, channel swaps, folds, subsampling.
 
-Contractions, per group (x: big side, y: small side; DESIGN.md, the docs' "Derivation" page):
-    matmul      a conv whose kernel is 1x1, or covers its whole input:  [B, I] x [I, O] -> [B, O]
-    folds       batch into groups (per-sample convs, summed), taps into the batch (im2col by taps),
-                dilation blocks into channels (space-to-depth): same sums, friendlier conv shapes
+Each step is a frozen dataclass that follows plan.Step: ``shape`` is the shape it produces, calling it
+applies it, ``describe()`` and ``label()`` say what it does, ``code()`` writes it as script lines and
+``rows()`` tells where it moves the rows of one spatial dim. Every op is differentiable, so gradients of
+any order come from autograd; layouts follow the data, so channels_last stays channels_last. Steps that
+belong to one formulation only live with its builder (grad_input.py: sub-pixel; grad_weight.py: phases).
 
-Each step is a frozen dataclass, like those of fwdconv.py: ``shape`` is the shape it produces,
-calling it applies it, ``describe()`` says what it does in one line. A contraction (Conv, MatMul,
-PhaseConvs) is called with (data, kernel). Every op is differentiable, so gradients of any order
-come from autograd; layouts follow the data, so channels_last stays channels_last.
+Folds, per group (x: big side, y: small side): batch into channels or groups (BatchFold), taps into the
+batch (im2col by taps, FoldTaps), dilation blocks into channels (space-to-depth): same sums, friendlier
+conv shapes.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal
 
 import torch
 
-from convgrad._ops import add_product_, batched_like, plain, sliced
+from convgrad._ops import batched_like, pad, sliced
 from convgrad.backends.fwdconv import geometry as geo
+from convgrad.backends.fwdconv.plan import Spatially, Step, commas, flat, pad_code
 from convgrad.spec import Pair
 
 Shape = tuple[int, ...]
 
-__all__ = ["BatchIntoGroups", "Contraction", "DepthwiseTaps", "FoldTaps", "MatMul", "SamplesIntoChannels",
-           "SpaceToDepth", "Spatially", "Subsample", "SumSamples", "TapsToKernel"]
+__all__ = ["BatchFold", "Flip", "FoldTaps", "Pad", "SamplesIntoChannels", "SpaceToDepth", "Subsample", "SumSamples",
+           "SwapBatchChannels", "SwapGroupChannels", "TapsToKernel", "ZeroInsert", "channels_last", "new_like",
+           "pad_or_fold"]
 
 
-class Contraction(Protocol):
-    """The one multiply-accumulate of a plan: called with (data, kernel)."""
-
-    @property
-    def shape(self) -> Shape: ...  # read-only: contractions are frozen
-
-    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor: ...
-
-    def describe(self) -> str: ...
-
-    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
-        """Along one spatial dim: the (data, kernel) products summed into each result row (fwdconv_geometry)."""
-        ...
-
-
-class Spatially:
-    """A step that moves channels or samples only: every spatial row stays where it is."""
-
-    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
-        return axis
-
-
-def _channels_last(t: torch.Tensor) -> bool:
+def channels_last(t: torch.Tensor) -> bool:
     """True when the channels are the innermost dim in memory (NHWC-like), whatever the rank."""
     return t.dim() >= 3 and t.shape[1] > 1 and t.stride(1) == 1 and not t.is_contiguous()
 
 
-def _new_like(data: torch.Tensor, shape: Shape, kernel: torch.Tensor | None = None) -> torch.Tensor:
+def new_like(data: torch.Tensor, shape: Shape, kernel: torch.Tensor | None = None) -> torch.Tensor:
     """An uninitialised tensor of this shape in data's memory format (channels last stays channels last), batched
     like ``kernel`` too under functorch transforms (``_ops.batched_like``)."""
-    if _channels_last(data):
+    if channels_last(data):
         return batched_like(data.new_empty((shape[0], *shape[2:], shape[1])).movedim(-1, 1), kernel)
     return batched_like(data.new_empty(shape), kernel)
 
 
-def _dims(values: object) -> str:
-    return ", ".join(str(v) for v in values)  # type: ignore[attr-defined]
-
-
-def _flat(pairs: tuple[Pair, ...]) -> list[int]:
-    """(lo, hi) per trailing dim -> F.pad's flat list, last dim first."""
-    return [v for lo, hi in reversed(pairs) for v in (lo, hi)]
-
-
-def _slices(first: Shape, step: Shape, count: Shape) -> str:
-    return ", ".join(f"{f}:{f + s * (c - 1) + 1}:{s}" for f, s, c in zip(first, step, count, strict=True))
-
-
-def _contraction_code(conv: Contraction, out: str, data: str, kernel: str) -> list[str]:
-    """Script lines for a contraction: its own code(), or F.conv*d for fwdconv's Conv."""
-    own = getattr(conv, "code", None)
-    if callable(own):
-        return list(own(out, data, kernel))
-    c = conv  # fwdconv.Conv: stride, padding, dilation, groups
-    return [f"{out} = F.conv{len(c.stride)}d({data}, {kernel}, None, stride={c.stride}, "  # type: ignore[attr-defined]
-            f"padding={c.padding}, dilation={c.dilation}, groups={c.groups})  # {c.shape}"]  # type: ignore[attr-defined]
-
-
-def _coordinate(index: int, counts: Shape, dim: int) -> int:
-    """The coordinate in ``dim`` of a row-major flat index over ``counts``."""
-    return index // math.prod(counts[dim + 1:]) % counts[dim]
-
-
-# ---- matmuls ------------------------------------------------------------------------------------------------------
+# ---- pads, zeros and flips ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class MatMul:
-    """A conv computed as one matmul: its kernel is 1x1 (``pointwise``), or it covers the whole input.
+class ZeroInsert:
+    """Insert stride-1 zeros between neighbouring entries of every spatial dim."""
 
-    pointwise: (B, g*I, *S) x (O, I, 1, ..) -> (B, O, *S);  full: (B, g*I, *J) x (O, I, *J) -> (B, O, 1, ..).
+    stride: Shape
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        n_, c, *o = t.shape
+        t = t.reshape(n_, c, *(v for oj in o for v in (oj, 1)))  # (N, C, o1, 1, o2, 1, ...)
+        t = pad(t, [p for s in self.stride for p in ((0, 0), (0, s - 1))])  # (N, C, o1, s1, o2, s2, ...)
+        t = t.reshape(n_, c, *(oj * s for oj, s in zip(o, self.stride)))  # (N, C, o1*s1, ...)
+        return pad(t, [(0, 1 - s) for s in self.stride])  # (N, C, (o1-1)s1+1, ...)
+
+    def describe(self) -> str:
+        return f"zero-insert by stride {self.stride} (stride-1 zeros between entries)"
+
+    def label(self) -> str:
+        return f"zero-insert by stride {self.stride}"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        n_, c, *o = shape
+        spread = [x for oj in o for x in (oj, 1)]
+        between = tuple(p for s in self.stride for p in ((0, 0), (0, s - 1)))
+        return [
+            f"{v} = {v}.reshape({commas((n_, c, *spread))})  # (N, C, o1, 1, o2, 1, ...)",
+            f"{v} = F.pad({v}, {flat(between)})  # (N, C, o1, s1, ...): s-1 zeros after every entry",
+            f"{v} = {v}.reshape({commas((n_, c, *(oj * s for oj, s in zip(o, self.stride, strict=True))))})"
+            f"  # (N, C, o1*s1, ...)",
+            f"{v} = F.pad({v}, {flat(tuple((0, 1 - s) for s in self.stride))})  # drop the zeros after the last "
+            f"entry: {self.shape}",
+        ]
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """Row j moves to key j*s; s-1 zeros follow every row but the last."""
+        s = self.stride[dim]
+
+        def spread(a: geo.Axis) -> geo.Axis:
+            cells = [geo.Cell(c.kind, c.key * s, c.source) for c in a.cells]
+            with_zeros = [z for c in cells[:-1] for z in (c, *(geo.Cell("zero", c.key + q) for q in range(1, s)))]
+            return geo.Axis((*with_zeros, *cells[-1:]), a.dropped)
+
+        return geo.each(spread, axis)
+
+
+@dataclass(frozen=True)
+class Pad:
+    """Pad (lo, hi) zeros per spatial dim; a negative amount crops."""
+
+    pads: tuple[Pair, ...]
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return pad(t, self.pads)
+
+    def describe(self) -> str:
+        return f"pad (lo, hi) = {self.pads} per spatial dim (negative = crop)"
+
+    def label(self) -> str:
+        return f"pad (lo, hi) = {self.pads}"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        return pad_code(v, v, self.pads, f"{self.shape}")
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        return geo.each(lambda a: geo.pad_axis(a, *self.pads[dim]), axis)
+
+
+def pad_or_fold(pads: tuple[Pair, ...], before: Shape, after: Shape) -> tuple[list[Step], Shape, Shape]:
+    """A symmetric, non-negative pad folds into the conv's own padding; anything else is a step.
+
+    Returns the steps, the conv's padding and the shape the data has when it reaches the conv.
+    """
+    if all(lo == hi and lo >= 0 for lo, hi in pads):
+        return [], tuple(lo for lo, _ in pads), before
+    return [Pad(pads, after)], (0,) * len(pads), after
+
+
+@dataclass(frozen=True)
+class Flip:
+    """Flip the kernel in every spatial dim."""
+
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.flip(list(range(2, t.dim())))
+
+    def describe(self) -> str:
+        return "flip the kernel in every spatial dim"
+
+    def label(self) -> str:
+        return "flip the kernel"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        return [f"{v} = {v}.flip({list(range(2, len(shape)))})  # flip every spatial dim: {self.shape}"]
+
+    def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
+        """Position j now holds the tap that was at k-1-j."""
+        return geo.each(lambda a: geo.renumber(a, a.cells[::-1]), axis)
+
+
+# ---- channel and batch moves: no row moves ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SwapGroupChannels(Spatially):
+    """(C_y, C_x/g, *k) -> (C_x, C_y/g, *k): swap in and out channels inside each group."""
+
+    groups: int
+    shape: Shape
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        c_y, cxg, *k = w.shape
+        w = w.reshape(self.groups, c_y // self.groups, cxg, *k)  # (g, C_y/g, C_x/g, *k)
+        return w.transpose(1, 2).reshape(self.shape)  # (C_x, C_y/g, *k)
+
+    def describe(self) -> str:
+        return f"swap in/out channels within each of the {self.groups} group(s)"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        c_y, cxg, *k = shape
+        g = self.groups
+        return [f"{v} = {v}.reshape({commas((g, c_y // g, cxg, *k))})  # (g, C_y/g, C_x/g, *k)",
+                f"{v} = {v}.transpose(1, 2).reshape({commas(self.shape)})"
+                f"  # (C_x, C_y/g, *k): in/out swapped per group"]
+
+
+@dataclass(frozen=True)
+class BatchFold(Spatially):
+    """(N, C_x, *i) -> (C_x/g, N*g, *i): the samples become channels of a conv whose kernel is y.
+
+    ``order`` is how the N*g dim is laid out: ``"group_major"`` (g, N), every group's samples side by side
+    as the channels that the grad-of-w conv contracts; ``"sample_major"`` (N, g), every sample's group its
+    own conv group, for per-sample convs.
     """
 
     groups: int
-    pointwise: bool
+    order: Literal["group_major", "sample_major"]
     shape: Shape
 
-    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        return self._pointwise(data, kernel) if self.pointwise else self._full(data, kernel)
+    def _perm(self, nd: int) -> tuple[int, ...]:
+        """From (N, g, C_x/g, *i): C_x/g first, then the (g, N) or (N, g) pair."""
+        return (2, *((1, 0) if self.order == "group_major" else (0, 1)), *range(3, 3 + nd))
 
-    def _pointwise(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        g, b, o, i = self.groups, data.shape[0], self.shape[1], data.shape[1] // self.groups  # b: a batch chunk too
-        spatial = data.shape[2:]
-        k = kernel.reshape(g, o // g, i)  # (g, O/g, I)
-        if i == 1 and o == g:  # depthwise: a matmul of 1x1 matrices per channel is a per-channel scale
-            return data * kernel.reshape(1, g, *(1,) * len(spatial))  # (B, C, *S), in data's memory format
-        if _channels_last(data) and g == 1:
-            out = data.movedim(1, -1).reshape(b * math.prod(spatial), i) @ k[0].t()  # (B*S, O)
-            return out.reshape(b, *spatial, o).movedim(-1, 1)  # (B, O, *S), channels last
-        out = torch.matmul(k, data.reshape(b, g, i, math.prod(spatial)))  # (B, g, O/g, S)
-        return out.reshape(b, o, *spatial)
-
-    def _full(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        g, (b, o) = self.groups, self.shape[:2]
-        ij = data.shape[1] // g * math.prod(data.shape[2:])
-        d = data.reshape(b, g, ij).transpose(0, 1)  # (g, B, I*J)
-        k = kernel.reshape(g, o // g, ij)  # (g, O/g, I*J)
-        return torch.matmul(d, k.transpose(1, 2)).transpose(0, 1).reshape(self.shape)  # (B, O, 1, ..)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n_, c_x, *i = x.shape
+        x = x.reshape(n_, self.groups, c_x // self.groups, *i)  # (N, g, C_x/g, *i)
+        return x.permute(self._perm(len(i))).reshape(self.shape)  # (C_x/g, g*N or N*g, *i)
 
     def describe(self) -> str:
-        kind = "a 1x1 kernel" if self.pointwise else "a kernel covering its whole input"
-        return f"conv with {kind}, groups={self.groups}: one matmul"
+        if self.order == "group_major":
+            return f"fold the batch into the channels, group-major ({self.groups} group(s))"
+        return f"fold the batch into the groups (sample-major, {self.groups} group(s) each)"
 
-    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
-        """pointwise: row u is data[u] * kernel[0]; full: one row, the sum of data[j] * kernel[j]."""
-        def one(a: geo.Axis, k: geo.Axis) -> geo.Axis:
-            if self.pointwise:
-                return geo.Axis(tuple(geo.Out("out", u, ((c, k.cells[0]),), (a, k)) for u, c in enumerate(a.cells)))
-            return geo.Axis((geo.Out("out", 0, tuple(zip(a.cells, k.cells, strict=True)), (a, k)),))
-
-        return geo.contract(one, data, kernel)
-
-    def code(self, out: str, data: str, kernel: str) -> list[str]:
-        g, o = self.groups, self.shape[1]
-        if self.pointwise:
-            return [f"{out} = torch.matmul({kernel}.reshape({g}, {o // g}, -1), {data}.unflatten(1, ({g}, -1))"
-                    f".flatten(3)).reshape({_dims(self.shape)})  # 1x1 conv as a matmul"]
-        return [f"{out} = torch.matmul({data}.unflatten(1, ({g}, -1)).flatten(2).transpose(0, 1), {kernel}.reshape("
-                f"{g}, {o // g}, -1).transpose(1, 2)).transpose(0, 1).reshape({_dims(self.shape)})  # full-size kernel"]
+    def code(self, v: str, shape: Shape) -> list[str]:
+        n_, c_x, *i = shape
+        g = self.groups
+        what = "(C_x/g, g*N, *i): samples as channels" if self.order == "group_major" else \
+            "(C_x/g, N*g, *i): samples as groups"
+        return [f"{v} = {v}.reshape({commas((n_, g, c_x // g, *i))})  # (N, g, C_x/g, *i)",
+                f"{v} = {v}.permute({commas(self._perm(len(i)))}).reshape({commas(self.shape)})  # {what}"]
 
 
 @dataclass(frozen=True)
-class DepthwiseTaps:
-    """A depthwise conv (one channel of y per output channel) with stride 1, summed tap by tap: each tap scales its
-    shifted slice of y by that channel's weight, and adds it into the rows the tap reaches.
+class SwapBatchChannels(Spatially):
+    """(A, B, *s) -> (B, A, *s)."""
 
-    For the few taps of a polyphase phase this beats a conv call: a conv reorders y into oneDNN's blocked layout
-    and its result back, and the phase work is memory-bound (measurements: fwdconv.TAPS_MAX_PHASE_TAPS).
-    ``rows`` holds, per tap (row-major over ``counts``) and per dim, the output rows first..stop and the data row
-    that the first of them reads (``spec.tap_rows``); taps that read nothing are left out.
-    """
-
-    counts: Shape
-    rows: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (tap index, per dim (first, stop, data_first))
-    size: Shape  # the spatial size of y
     shape: Shape
 
-    def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-        c, nd = kernel.shape[0], len(self.counts)
-        scales = kernel.reshape(c, -1).t().reshape(-1, 1, c, *(1,) * nd)  # (T, 1, C, 1, ..): each tap's weights
-        fused = plain(data) and plain(kernel)
-        out = None
-        if not self._indices or self._indices[0][1] is not None:  # no tap reaches every row: start from zeros
-            out = _new_like(data, (data.shape[0], *self.shape[1:]), kernel).zero_()  # (B, C, *rows)
-        for tap, rows, src in self._indices:
-            part = data if src is None else data[src]
-            if out is None:
-                out = part * scales[tap]  # (B, C, *rows), in data's memory format
-            else:
-                add_product_(out if rows is None else out[rows], part, scales[tap], fused)
-        return out
-
-    @functools.cached_property
-    def _indices(self) -> list[tuple[int, tuple[slice, ...] | None, tuple[slice, ...] | None]]:
-        """Per tap, a tap that fills every row first: (tap, rows of the result, rows of y), None where all rows.
-
-        Indexing with whole-dim slices only would return an alias, which the legacy vmap of is_grads_batched
-        cannot batch (``_ops.sliced``); None skips it."""
-        def index(ranges: list[tuple[int, int]], sizes: Shape) -> tuple[slice, ...] | None:
-            if all(a == 0 and b == n for (a, b), n in zip(ranges, sizes, strict=True)):
-                return None
-            return (slice(None), slice(None), *(slice(a, b) for a, b in ranges))
-
-        entries = []
-        for tap, dims in self.rows:
-            rows = index([(first, stop) for first, stop, _ in dims], self.shape[2:])
-            src = [(d, d + stop - first) for first, stop, d in dims]
-            entries.append((tap, rows, src))
-        entries.sort(key=lambda e: e[1] is not None)
-        return [(tap, rows, index(src, self.size)) for tap, rows, src in entries]
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1)
 
     def describe(self) -> str:
-        return f"depthwise conv of {math.prod(self.counts)} taps {self.counts}, summed tap by tap"
+        return "swap the first two dims (batch <-> channels)"
 
-    def reads(self, dim: int, data: geo.Geometry, kernel: geo.Geometry) -> geo.Geometry:
-        """Tap q adds data[r + offset_q] into row r; rows whose data row lies outside y read padding."""
-        reach: dict[int, int] = {}  # tap coordinate in this dim -> data row read by result row 0
-        for tap, dims in self.rows:
-            first, _, data_first = dims[dim]
-            reach[_coordinate(tap, self.counts, dim)] = data_first - first
+    def code(self, v: str, shape: Shape) -> list[str]:
+        perm = (1, 0, *range(2, len(shape)))
+        return [f"{v} = {v}.permute({commas(perm)})  # swap batch and channels: {self.shape}"]
 
-        def one(a: geo.Axis, k: geo.Axis) -> geo.Axis:
-            rows = range(self.shape[2 + dim])
-            return geo.Axis(tuple(geo.Out("out", r, tuple((geo.row_or_pad(a, r + off), k.cells[q]) for q, off in
-                                                          sorted(reach.items())), (a, k)) for r in rows))
 
-        return geo.contract(one, data, kernel)
+@dataclass(frozen=True)
+class SamplesIntoChannels(Spatially):
+    """(N, C_y, *o) -> (N*C_y, 1, *o): one single-channel kernel per sample and output channel."""
 
-    def code(self, out: str, data: str, kernel: str) -> list[str]:
-        c, nd = self.shape[1], len(self.counts)
-        lines = [f"{out} = {data}.new_zeros(({data}.shape[0], {_dims(self.shape[1:])}))  # depthwise, tap by tap",
-                 f"{out}_w = {kernel}.reshape({c}, -1)"]
-        for tap, dims in self.rows:
-            rows = ", ".join(f"{first}:{stop}" for first, stop, _ in dims)
-            src = ", ".join(f"{d}:{d + stop - first}" for first, stop, d in dims)
-            lines.append(f"{out}[..., {rows}] += {data}[..., {src}] * {out}_w[:, {tap}].reshape(1, {c}"
-                         f"{', 1' * nd})  # tap {tap}")
-        return lines
+    shape: Shape
 
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(self.shape)
+
+    def describe(self) -> str:
+        return "one kernel per sample and channel: (N, C_y, *o) -> (N*C_y, 1, *o)"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        return [f"{v} = {v}.reshape({commas(self.shape)})  # one kernel per sample and channel"]
+
+
+@dataclass(frozen=True)
+class SumSamples(Spatially):
+    """(C_x/g, N*C_y, *k) -> (C_x/g, C_y, *k): add the per-sample gradients."""
+
+    batch: int
+    shape: Shape
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        cxg, c_y, *k = self.shape
+        return t.reshape(cxg, self.batch, c_y, *k).sum(1)  # (C_x/g, C_y, *k)
+
+    def describe(self) -> str:
+        return f"sum the {self.batch} per-sample gradients"
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        cxg, c_y, *k = self.shape
+        return [f"{v} = {v}.reshape({commas((cxg, self.batch, c_y, *k))}).sum(1)  # add the samples: {self.shape}"]
+
+
+
+
+# ---- row selections and folds --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Subsample:
@@ -243,14 +277,15 @@ class Subsample:
     def describe(self) -> str:
         return f"keep every {self.stride}-th row"
 
+    def label(self) -> str:
+        return self.describe()
+
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         return geo.each(lambda a: geo.select(a, range(0, len(a.cells), self.stride[dim])), axis)
 
     def code(self, v: str, shape: Shape) -> list[str]:
         return [f"{v} = {v}[..., {', '.join(f'::{s}' for s in self.stride)}]  # every s-th row: {self.shape}"]
 
-
-# ---- folds for grad_weight ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class FoldTaps:
@@ -276,6 +311,9 @@ class FoldTaps:
         return (f"fold the windows of the {math.prod(self.kernel_size)} taps into the batch "
                 f"(im2col by taps, stride {self.stride}, dilation {self.dilation})")
 
+    def label(self) -> str:
+        return self.describe()
+
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """One member per tap t: the rows t*d + j*s, j < o, that it meets."""
         k, s, d, o = self.kernel_size[dim], self.stride[dim], self.dilation[dim], self.shape[2 + dim]
@@ -289,8 +327,8 @@ class FoldTaps:
                  for j, (k, s, d) in enumerate(zip(self.kernel_size, self.stride, self.dilation))]
         perm = (2, *range(3 + nd, 3 + 2 * nd), 1, 0, *range(3, 3 + nd))
         return [*lines, f"{v} = {v}[..., {', '.join(f'::{d}' for d in self.dilation)}]  # (N, C_x, *o, *k)",
-                f"{v} = {v}.reshape({n}, {g}, {c_x // g}, *{v}.shape[2:]).permute({_dims(perm)})"
-                f".reshape({_dims(self.shape)})  # taps into the batch: {self.shape}"]
+                f"{v} = {v}.reshape({n}, {g}, {c_x // g}, *{v}.shape[2:]).permute({commas(perm)})"
+                f".reshape({commas(self.shape)})  # taps into the batch: {self.shape}"]
 
 
 @dataclass(frozen=True)
@@ -307,6 +345,9 @@ class TapsToKernel:
     def describe(self) -> str:
         return "unfold the taps from the batch back into the kernel"
 
+    def label(self) -> str:
+        return "taps back into the kernel"
+
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """The one result row of each tap's member becomes row t."""
         if not isinstance(axis, geo.Family):
@@ -315,64 +356,7 @@ class TapsToKernel:
 
     def code(self, v: str, shape: Shape) -> list[str]:
         c_y, cxg, *k = self.shape
-        return [f"{v} = {v}.reshape({_dims((cxg, *k, c_y))}).movedim(-1, 0)  # (C_y, C_x/g, *k): {self.shape}"]
-
-
-@dataclass(frozen=True)
-class BatchIntoGroups(Spatially):
-    """(N, C_x, *i) -> (C_x/g, N*g, *i): each sample's group becomes its own conv group."""
-
-    groups: int
-    shape: Shape
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, c_x, *i = x.shape
-        x = x.reshape(n, self.groups, c_x // self.groups, *i)  # (N, g, C_x/g, *i)
-        return x.permute(2, 0, 1, *range(3, x.dim())).reshape(self.shape)  # (C_x/g, N*g, *i)
-
-    def describe(self) -> str:
-        return f"fold the batch into the groups (sample-major, {self.groups} group(s) each)"
-
-    def code(self, v: str, shape: Shape) -> list[str]:
-        n, c_x, *i = shape
-        perm = (2, 0, 1, *range(3, 3 + len(i)))
-        return [f"{v} = {v}.reshape({_dims((n, self.groups, c_x // self.groups, *i))}).permute({_dims(perm)})"
-                f".reshape({_dims(self.shape)})  # batch into groups: {self.shape}"]
-
-
-@dataclass(frozen=True)
-class SamplesIntoChannels(Spatially):
-    """(N, C_y, *o) -> (N*C_y, 1, *o): one single-channel kernel per sample and output channel."""
-
-    shape: Shape
-
-    def __call__(self, y: torch.Tensor) -> torch.Tensor:
-        return y.reshape(self.shape)
-
-    def describe(self) -> str:
-        return "one kernel per sample and channel: (N, C_y, *o) -> (N*C_y, 1, *o)"
-
-    def code(self, v: str, shape: Shape) -> list[str]:
-        return [f"{v} = {v}.reshape({_dims(self.shape)})  # one kernel per sample and channel"]
-
-
-@dataclass(frozen=True)
-class SumSamples(Spatially):
-    """(C_x/g, N*C_y, *k) -> (C_x/g, C_y, *k): add the per-sample gradients."""
-
-    batch: int
-    shape: Shape
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        cxg, c_y, *k = self.shape
-        return t.reshape(cxg, self.batch, c_y, *k).sum(1)  # (C_x/g, C_y, *k)
-
-    def describe(self) -> str:
-        return f"sum the {self.batch} per-sample gradients"
-
-    def code(self, v: str, shape: Shape) -> list[str]:
-        cxg, c_y, *k = self.shape
-        return [f"{v} = {v}.reshape({_dims((cxg, self.batch, c_y, *k))}).sum(1)  # add the samples: {self.shape}"]
+        return [f"{v} = {v}.reshape({commas((cxg, *k, c_y))}).movedim(-1, 0)  # (C_y, C_x/g, *k): {self.shape}"]
 
 
 @dataclass(frozen=True)
@@ -394,6 +378,9 @@ class SpaceToDepth:
     def describe(self) -> str:
         return f"space to depth by the dilation {self.block}: the phases of every block become channels"
 
+    def label(self) -> str:
+        return self.describe()
+
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         """One member per phase phi < d: the rows phi, phi + d, ...; the conv sums over the members (channels)."""
         d, rows = self.block[dim], geo.plain(axis, self)
@@ -404,5 +391,5 @@ class SpaceToDepth:
         nd, g = len(self.block), self.groups
         split = (n, g, c // g, *(x for u, d in zip(size, self.block) for x in (u // d, d)))
         perm = (2, 1, 0, *range(4, 3 + 2 * nd, 2), *range(3, 3 + 2 * nd, 2))
-        return [f"{v} = {v}.reshape({_dims(split)}).permute({_dims(perm)}).reshape({_dims(self.shape)})"
+        return [f"{v} = {v}.reshape({commas(split)}).permute({commas(perm)}).reshape({commas(self.shape)})"
                 f"  # space to depth: {self.shape}"]
