@@ -20,6 +20,7 @@ import convgrad as cg
 from convgrad.backends.fwdconv import (
     INPUT_METHODS,
     WEIGHT_METHODS,
+    BatchFold,
     contractions,
     execute,
     grad_input,
@@ -490,3 +491,16 @@ def test_fwdconv_never_dispatches_a_backward_or_transposed_convolution(case: Cas
             if not _refuses(method, spec):
                 execute(plan_weight_grad(spec, method), *((gy, x) if spec.transposed else (x, gy)))
     assert not any("backward" in name or transposed for name, transposed in log.ops), log.ops
+
+
+@pytest.mark.parametrize("order, perm", [("group_major", (2, 1, 0, 3, 4)), ("sample_major", (2, 0, 1, 3, 4))])
+def test_batch_fold_lays_out_the_samples_in_its_order(order: str, perm: tuple[int, ...]) -> None:
+    # one step for grad_weight's "kernel" plan (group-major) and its per-sample plans (sample-major)
+    n, g, cxg, size = 3, 2, 4, (5, 2)
+    x = torch.arange(n * g * cxg * math.prod(size), dtype=torch.float64).reshape(n, g * cxg, *size)
+    fold = BatchFold(g, order, (cxg, n * g, *size))  # type: ignore[arg-type]
+    expected = x.reshape(n, g, cxg, *size).permute(perm).reshape(cxg, n * g, *size)  # (C_x/g, g*N or N*g, *i)
+    torch.testing.assert_close(fold(x), expected, rtol=0, atol=0)
+    namespace: dict[str, Any] = {"t": x}
+    exec("\n".join(fold.code("t", tuple(x.shape))), namespace)  # its script lines compute the same
+    torch.testing.assert_close(namespace["t"], expected, rtol=0, atol=0)
