@@ -21,7 +21,7 @@ import convgrad
 from convgrad import cli
 from convgrad.backends import fwdconv
 from convgrad.cli import parse_padding
-from convgrad.explain.native import known_profiler_ops
+from convgrad.explain.kernel_choice import known_profiler_ops
 from helpers import Case, grid_cases
 
 GRID = grid_cases()

@@ -1,13 +1,18 @@
 """How each gradient of a convolution is built from forward operations, and which native kernel runs.
 
-One view per module, all read from the same fwdconv plans, so what is explained is what runs:
+``Recipe`` is data: the fwdconv plans of one layer. Every view is a module that reads it, and each step
+of a plan brings its own parts (describe, label, code, geometry), so no view knows a step kind by name:
 
-- ``recipe``: ``explain(...)`` and ``Recipe`` (the text view, ``str(recipe)``), with ``symbols``;
+- ``recipe``: ``explain(...)``, ``Recipe`` and its text (``str(recipe)``), with ``symbols``;
 - ``code``: ``Recipe.to_python()``, a standalone PyTorch script;
 - ``frames``: every cell a plan produces and the products it sums, read from each step's geometry;
-- ``layout`` and ``render``: which frames, where, drawn with matplotlib;
-- ``picture``: ``Recipe.plot()``; ``animation``: ``Recipe.animate()``; ``html``: ``Recipe.to_html()``;
-- ``native``: ``native_backend(...)``, which kernel ``aten.convolution_backward`` dispatches to.
+- ``placement`` and ``render``: which frames, where, drawn with matplotlib;
+- ``picture``: ``Recipe.plot()``; ``raster``: the frames as images, which ``animation`` (``Recipe.animate()``)
+  and ``html`` (``Recipe.to_html()``) encode;
+- ``kernel_choice``: ``native_backend(...)``, which kernel ``aten.convolution_backward`` dispatches to.
+
+Recipe's methods import their view when called; the views import ``Recipe`` for type hints only, so there is
+no import cycle.
 
 ``convgrad.explain`` is this package, and calling it calls ``explain`` (see ``_CallableModule``).
 """
@@ -18,7 +23,7 @@ import sys
 import types
 from typing import Any
 
-from convgrad.explain.native import NativeChoice, native_backend
+from convgrad.explain.kernel_choice import NativeChoice, native_backend
 from convgrad.explain.recipe import Leftover, Recipe, RecipeStep, explain
 
 __all__ = ["Leftover", "NativeChoice", "Recipe", "RecipeStep", "explain", "native_backend"]

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from convgrad.explain.animation import check_path, frames, paletted
+from convgrad.explain.raster import check_path, frames, paletted
 
 if TYPE_CHECKING:
     from convgrad.explain.recipe import Recipe

@@ -10,7 +10,7 @@ Steps are read generically, through each step's ``describe()``, ``shape``, ``cod
 backend shows up here without changes.
 
 ``native_backend`` answers the other half of the seeds' first question: which kernel
-``aten.convolution_backward`` dispatches to for a configuration (see ``_native_choice.py``).
+``aten.convolution_backward`` dispatches to for a configuration (explain/kernel_choice.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from convgrad.backends import fwdconv
 from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
-from convgrad.explain.native import NativeChoice, native_backend
+from convgrad.explain.kernel_choice import NativeChoice, native_backend
 from convgrad.explain.symbols import used_symbols
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
@@ -282,6 +282,8 @@ class Recipe:
             >>> cg.explain((1, 1, 4), (1, 1, 3)).animate(out, max_frames=4).stat().st_size > 0
             True
         """
+        if Path(path).suffix.lower() == ".html":
+            return self.to_html(path, gradients, max_frames)
         from convgrad.explain.animation import animate
 
         return animate(self, Path(path), tuple(gradients), max_frames, fps)

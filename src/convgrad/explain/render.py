@@ -1,7 +1,7 @@
 """Drawing explain's frames with matplotlib (Agg): the one renderer of Recipe.plot, Recipe.animate and to_html.
 
 Everything drawn comes from a Scene and its Frames (explain/frames.py), which are read from the plan's own
-steps, placed by explain/layout.py. A frame is drawn as three panels: the data grid (padding, inserted
+steps, placed by explain/placement.py. A frame is drawn as three panels: the data grid (padding, inserted
 zeros, cropped and never-read cells) with the kernel's footprint on it, each read cell lettered with the
 kernel tap it meets; the kernel (flipped where the plan flips it; the taps a phase does not use greyed);
 and the result with the cell being produced. Channels, when there are several, are a strip of boxes
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from convgrad.explain.frames import Frame
-from convgrad.explain.layout import (
+from convgrad.explain.placement import (
     CURRENT,
     DPI,
     FILLS,

@@ -274,7 +274,8 @@ def values(scene: Scene) -> dict[str, Any]:
     """Small-integer example tensors (one sample) and the result they give: the numbers printed in the cells."""
     import torch
 
-    import convgrad
+    from convgrad.backends.native import forward
+    from convgrad.functional import conv_backward
 
     spec = scene.spec
     one = {"input": (1, *spec.input_shape[1:]), "weight": spec.weight_shape, "grad_output": (1, *spec.output_shape[1:])}
@@ -284,13 +285,11 @@ def values(scene: Scene) -> dict[str, Any]:
     t["weight"] = nonzero[torch.randint(0, 5, spec.weight_shape, generator=gen)]
     hyper = dict(stride=spec.stride, padding=spec.padding, dilation=spec.dilation, groups=spec.groups)
     if scene.gradient == "forward":
-        conv = convgrad.conv_transpose if spec.transposed else convgrad.conv
-        extra = dict(output_padding=spec.output_padding) if spec.transposed else {}
-        t["output"] = conv(t["input"], t["weight"], **hyper, **extra, backend="native")  # type: ignore[operator]
+        t["output"] = forward(spec.with_batch(1), t["input"], t["weight"], None)  # (1, C_out, *o)
     else:
-        gi, gw, _ = convgrad.conv_backward(t["grad_output"], t["input"], t["weight"], None, **hyper,
-                                           transposed=spec.transposed, output_padding=spec.output_padding,
-                                           output_mask=(True, True, False), backend="fwdconv")
+        gi, gw, _ = conv_backward(t["grad_output"], t["input"], t["weight"], None, **hyper,
+                                  transposed=spec.transposed, output_padding=spec.output_padding,
+                                  output_mask=(True, True, False), backend="fwdconv")
         t["grad_input"], t["grad_weight"] = gi, gw
     return t
 
