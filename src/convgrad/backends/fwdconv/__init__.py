@@ -1,6 +1,6 @@
 """The fwdconv backend: every gradient written with forward convolutions only (the seeds' method).
 
-Contractions, per group (x: big side, y: small side, T: kernel taps; DESIGN.md):
+Contractions, per group (x: big side, y: small side, T: kernel taps; docs/derivation.md):
     grad of x   [N, C_y/g, zero-inserted y] * flip(w)^T [C_x/g, C_y/g, T]  -> [N, C_x/g, i]   grad_input.py
     grad of y   [N, C_x/g, x] * w [C_y/g, C_x/g, T]                        -> [N, C_y/g, o]   grad_input.py
     grad of w   [C_x/g, N, x] * y^T [C_y/g, N, o]                          -> [C_x/g, C_y/g, T] grad_weight.py

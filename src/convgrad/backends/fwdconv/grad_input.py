@@ -1,6 +1,6 @@
 """The fwdconv plans of x from y: grad_input of a forward conv, and the forward of a transposed one.
 
-Contractions, per group (x: big side, y: small side, T: kernel taps; DESIGN.md):
+Contractions, per group (x: big side, y: small side, T: kernel taps; docs/derivation.md):
     grad of x   [N, C_y/g, zero-inserted y] * flip(w)^T [C_x/g, C_y/g, T]  -> [N, C_x/g, i]
                  (stride 1, dilation d; y zero-inserted by s and padded by transpose_pads)
     polyphase   x rows rho::s  =  y padded * flipped taps first::s/g      (one small conv per phase)

@@ -1,6 +1,6 @@
 """The grad_weight plans of the fwdconv backend and the rules that choose among them.
 
-Contractions, per group (x: big side, y: small side, T taps, P positions of y; DESIGN.md):
+Contractions, per group (x: big side, y: small side, T taps, P positions of y; docs/derivation.md):
     kernel      [C_x/g, N, x] * y^T [C_y/g, N, o] -> [C_x/g, C_y/g, T]   (stride d, dilation s; y as the kernel)
     per_sample  [C_x/g, N*g, x] * [N*C_y, 1, o], groups N*g -> per-sample gradients, summed over N
     taps        the windows of the T taps folded into the batch: [C_x/g*T, N*P] x [N*P, C_y/g] (a matmul)
