@@ -214,7 +214,7 @@ class Recipe:
             reshape/permute) for the gradients, and asserts them against torch autograd in float64.
 
         Raises:
-            NotImplementedError: a plan contains a step kind that has no code template.
+            NotImplementedError: a plan contains a step kind that has no ``code()``.
 
         Examples:
             >>> import convgrad as cg
