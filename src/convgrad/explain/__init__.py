@@ -11,8 +11,8 @@ of a plan brings its own parts (describe, label, code, geometry), so no view kno
   and ``html`` (``Recipe.to_html()``) encode;
 - ``kernel_choice``: ``native_backend(...)``, which kernel ``aten.convolution_backward`` dispatches to.
 
-Recipe's methods import their view when called; the views import ``Recipe`` for type hints only, so there is
-no import cycle.
+The views are functions of the recipe's data (its spec, its plans, the scene of each computation) and never
+import ``recipe``; Recipe's methods call them (imported when called), so the imports go one way: no cycle.
 
 ``convgrad.explain`` is this package, and calling it calls ``explain`` (see ``_CallableModule``).
 """

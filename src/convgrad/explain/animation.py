@@ -8,22 +8,19 @@ ffmpeg and says so when it is missing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from matplotlib import animation
 
 from convgrad.explain import render
+from convgrad.explain.frames import SceneOf
 from convgrad.explain.raster import check_path, frames, paletted
-
-if TYPE_CHECKING:
-    from convgrad.explain.recipe import Recipe
 
 __all__ = ["SUFFIXES", "animate"]
 
 SUFFIXES = (".gif", ".webp", ".mp4", ".html")  # .html: Recipe.animate hands it to html.to_html
 
 
-def animate(recipe: Recipe, path: Path, gradients: tuple[str, ...], max_frames: int, fps: float) -> Path:
+def animate(scene: SceneOf, path: Path, gradients: tuple[str, ...], max_frames: int, fps: float) -> Path:
     """Write the animation of Recipe.animate to ``path``: GIF or WebP with Pillow, MP4 with ffmpeg."""
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
@@ -36,14 +33,14 @@ def animate(recipe: Recipe, path: Path, gradients: tuple[str, ...], max_frames: 
             raise ValueError(f"Recipe.animate: {path} needs ffmpeg, which is not installed; write a .gif or .webp "
                              f"(Pillow) or an .html page instead")
         writer = animation.FFMpegWriter(fps=fps)
-        drawn = frames(recipe, gradients, max_frames)
+        drawn = frames(scene, gradients, max_frames)
         fig, _, _ = next(drawn)
         with writer.saving(fig, str(path), dpi=render.DPI):
             writer.grab_frame()
             for _ in drawn:
                 writer.grab_frame()
         return path
-    drawn = frames(recipe, gradients, max_frames)
+    drawn = frames(scene, gradients, max_frames)
     images = [image for _, image, _ in (paletted(drawn) if suffix == ".gif" else drawn)]
     images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
     return path

@@ -9,13 +9,10 @@ F.conv*d, flip, reshape/permute); torch autograd runs only inside ``autograd_gra
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from convgrad.backends.fwdconv.plan import commas, flat
 from convgrad.spec import ConvSpec
-
-if TYPE_CHECKING:
-    from convgrad.explain.recipe import Recipe
 
 Shape = tuple[int, ...]
 
@@ -75,12 +72,11 @@ def _indent(lines: list[str]) -> list[str]:
     return ["    " + line if line else "" for line in lines]
 
 
-def script(recipe: Recipe) -> str:
-    """The whole standalone script for a recipe."""
-    spec = recipe.spec
-    shapes = recipe._start_shapes()
+def script(spec: ConvSpec, plans: dict[str, Any], shapes: dict[str, Shape]) -> str:
+    """The whole standalone script: the gradients by these plans (``{"grad_input": plan, ...}``) from tensors of
+    these shapes (``{"input": shape, ...}``), checked against torch autograd."""
     body: list[str] = []
-    for name, plan in recipe.plans.items():
+    for name, plan in plans.items():
         body += [*plan_code(plan, name, shapes), ""]
     dims = (0, *range(2, spec.n + 2))
     body += [f"grad_bias = grad_output.sum(dim={dims})  # ({spec.out_channels},)",

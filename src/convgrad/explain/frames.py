@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -24,7 +25,7 @@ from convgrad.backends import fwdconv
 from convgrad.backends.fwdconv.geometry import Axis, Cell, Family, Out, operand, union_axis
 from convgrad.spec import ConvSpec
 
-__all__ = ["GRADIENTS", "Frame", "Scene", "plan_of", "scene"]
+__all__ = ["GRADIENTS", "Frame", "Scene", "SceneOf", "plan_of", "scene"]
 
 GRADIENTS = ("forward", "grad_input", "grad_weight")
 Shape = tuple[int, ...]
@@ -173,6 +174,9 @@ class Scene:
 def _canvas(axes: list[Axis]) -> tuple[Cell, ...]:
     u = union_axis(axes)
     return tuple(sorted((*u.cells, *u.dropped), key=lambda c: c.key))  # type: ignore[arg-type]
+
+
+SceneOf = Callable[[str], "Scene"]  # a computation's name -> its scene (Recipe.scene): what the pictures draw
 
 
 def plan_of(spec: ConvSpec, gradient: str, input_method: str | None = None, weight_method: str | None = None) -> Any:

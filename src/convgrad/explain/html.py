@@ -14,12 +14,9 @@ import html
 import io
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from convgrad.explain.frames import SceneOf
 from convgrad.explain.raster import check_path, frames, paletted
-
-if TYPE_CHECKING:
-    from convgrad.explain.recipe import Recipe
 
 __all__ = ["to_html"]
 
@@ -73,18 +70,19 @@ show(0);
 """
 
 
-def to_html(recipe: Recipe, path: Path, gradients: tuple[str, ...], max_frames: int) -> Path:
-    """Write the page of Recipe.to_html to ``path``."""
+def to_html(scene: SceneOf, path: Path, gradients: tuple[str, ...], max_frames: int, title: str, text: str,
+            code: str) -> Path:
+    """Write the page of Recipe.to_html to ``path``: the frames of these scenes, the recipe's text and script."""
     if path.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"Recipe.to_html: path={str(path)!r} must end in .html")
     check_path(path, "Recipe.to_html")
     pngs, labels = [], []
-    for _, image, label in paletted(frames(recipe, gradients, max_frames, "Recipe.to_html")):
+    for _, image, label in paletted(frames(scene, gradients, max_frames, "Recipe.to_html")):
         buffer = io.BytesIO()
         image.save(buffer, format="png", optimize=True)
         pngs.append(base64.b64encode(buffer.getvalue()).decode("ascii").translate(_SWAP))
         labels.append(label)
-    page = PAGE.format(title=html.escape(recipe.spec.describe()), last=len(pngs) - 1, text=html.escape(str(recipe)),
-                       code=html.escape(recipe.to_python()), frames=json.dumps(pngs), labels=json.dumps(labels))
+    page = PAGE.format(title=html.escape(title), last=len(pngs) - 1, text=html.escape(text), code=html.escape(code),
+                       frames=json.dumps(pngs), labels=json.dumps(labels))
     path.write_text(page, encoding="utf-8")
     return path

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 
 from convgrad.explain import render
-from convgrad.explain.frames import Frame
-
-if TYPE_CHECKING:
-    from convgrad.explain.recipe import Recipe
+from convgrad.explain.frames import Frame, SceneOf
 
 __all__ = ["MAX_PHASES", "key_frames", "plot"]
 
@@ -36,7 +32,7 @@ def key_frames(lay: render.Layout) -> list[Frame]:
     return [max(frames, key=lambda f: len(f.claims()))]
 
 
-def plot(recipe: Recipe, path: str | Path | None = None,
+def plot(scene: SceneOf, path: str | Path | None = None,
          gradients: tuple[str, ...] = ("grad_input", "grad_weight")) -> Figure:
     """The figure of Recipe.plot; saved to ``path`` when given."""
     if not gradients or any(g not in ("grad_input", "grad_weight") for g in gradients):
@@ -44,7 +40,7 @@ def plot(recipe: Recipe, path: str | Path | None = None,
                          f"('grad_input', 'grad_weight')")
     blocks = []
     for gradient in gradients:
-        lay = render.layout(recipe.scene(gradient), 120)
+        lay = render.layout(scene(gradient), 120)
         keys = key_frames(lay)
         phases = {f.phase for f in lay.frames if f.phase is not None}
         if len(phases) > len(keys):

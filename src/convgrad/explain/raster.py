@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
 
 from convgrad.explain import render
-from convgrad.explain.frames import GRADIENTS, Scene
-
-if TYPE_CHECKING:
-    from convgrad.explain.recipe import Recipe
+from convgrad.explain.frames import GRADIENTS, Scene, SceneOf
 
 __all__ = ["check_path", "frames", "paletted"]
 
@@ -30,13 +26,13 @@ def check_path(path: Path, fn: str) -> None:
         raise ValueError(f"{fn}: path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
 
 
-def _layouts(recipe: Recipe, gradients: tuple[str, ...], max_frames: int, fn: str) -> list[render.Layout]:
+def _layouts(scene: SceneOf, gradients: tuple[str, ...], max_frames: int, fn: str) -> list[render.Layout]:
     unknown = [g for g in gradients if g not in GRADIENTS]
     if unknown or not gradients:
         raise ValueError(f"{fn}: gradients={gradients!r} must be a non-empty selection of {GRADIENTS}")
     if max_frames < len(gradients):
         raise ValueError(f"{fn}: max_frames={max_frames} must be at least one frame per gradient ({len(gradients)})")
-    scenes = [recipe.scene(g) for g in gradients]
+    scenes = [scene(g) for g in gradients]
     return [render.layout(sc, budget) for sc, budget in zip(scenes, _budgets(scenes, max_frames), strict=True)]
 
 
@@ -51,14 +47,14 @@ def _budgets(scenes: list[Scene], max_frames: int) -> list[int]:
     return budgets
 
 
-def frames(recipe: Recipe, gradients: tuple[str, ...], max_frames: int,
+def frames(scene: SceneOf, gradients: tuple[str, ...], max_frames: int,
            fn: str = "Recipe.animate") -> Iterator[tuple[Figure, Image.Image, str]]:
     """Every frame in turn: (the figure it is drawn on, the frame as an image, a label).
 
     The background of each computation is drawn once; each frame restores it, adds its produced value (which
     stays) and draws its own parts over it (blitting), so a frame costs only what changes.
     """
-    layouts = _layouts(recipe, gradients, max_frames, fn)
+    layouts = _layouts(scene, gradients, max_frames, fn)
     fig = render.figure(max(lay.height for lay in layouts))
     canvas = FigureCanvasAgg(fig)
     for lay in layouts:

@@ -224,7 +224,7 @@ class Recipe:
         """
         from convgrad.explain.code import script
 
-        return script(self)
+        return script(self.spec, self.plans, self._start_shapes())
 
     def plot(self, path: str | Path | None = None,
              gradients: Sequence[str] = ("grad_input", "grad_weight")) -> Figure:
@@ -252,7 +252,7 @@ class Recipe:
         """
         from convgrad.explain.picture import plot
 
-        return plot(self, path, tuple(gradients))
+        return plot(self.scene, path, tuple(gradients))
 
     def animate(self, path: str | Path, gradients: Sequence[str] = ("forward", "grad_input", "grad_weight"),
                 max_frames: int = 120, fps: float = 1.5) -> Path:
@@ -286,7 +286,7 @@ class Recipe:
             return self.to_html(path, gradients, max_frames)
         from convgrad.explain.animation import animate
 
-        return animate(self, Path(path), tuple(gradients), max_frames, fps)
+        return animate(self.scene, Path(path), tuple(gradients), max_frames, fps)
 
     def to_html(self, path: str | Path, gradients: Sequence[str] = ("forward", "grad_input", "grad_weight"),
                 max_frames: int = 120) -> Path:
@@ -313,7 +313,8 @@ class Recipe:
         """
         from convgrad.explain.html import to_html
 
-        return to_html(self, Path(path), tuple(gradients), max_frames)
+        return to_html(self.scene, Path(path), tuple(gradients), max_frames, self.spec.describe(), str(self),
+                       self.to_python())
 
 
 def _methods(method: str | None, input_method: str | None, weight_method: str | None) -> tuple[str | None, str | None]:
