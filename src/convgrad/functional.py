@@ -16,7 +16,7 @@ import torch
 
 from convgrad._ops import bias_grad
 from convgrad.backends import Backend, backend_names, get_backend, traceable_names
-from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, _ntuple, check_bias_sizes, check_output_mask
+from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask, ntuple
 
 __all__ = [
     "conv1d_input",
@@ -95,7 +95,7 @@ def _check_untraced(fn: str, backend: Backend, tensors: dict[str, torch.Tensor],
 def _check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:
     if isinstance(size, torch.Tensor) or not isinstance(size, Sequence) or isinstance(size, str):
         raise TypeError(f"{fn}: {name}={size!r} must be a sequence of ints such as torch.Size")
-    return _ntuple(fn, name, tuple(size), len(size), 0)  # errors name `name`, not the spec's "input.shape"
+    return ntuple(fn, name, tuple(size), len(size), 0)  # errors name `name`, not the spec's "input.shape"
 
 
 def _check_grad_output(fn: str, spec: ConvSpec, grad_output: torch.Tensor) -> None:

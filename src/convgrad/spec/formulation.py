@@ -1,0 +1,250 @@
+"""Formulation arithmetic of the backward: per-dim integer geometry that the backends' formulations read.
+
+Polyphase taps (``phase_taps``), the sub-pixel fusion of the phases, space-to-depth blocks by the dilation,
+the stride phases of x for grad_weight, the FFT backend's phases, a tap's rows (``tap_rows``) and the one
+asymmetric-pad split (``pad_split``) that every builder uses to pad symmetrically inside a conv. Each function
+takes one dim's integers; ``ConvSpec``'s properties zip them over the dims. Integers only, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from convgrad.spec.arguments import Pair
+
+__all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "leftover_rows", "output_rows",
+           "pad_split", "phase_taps", "smooth_size", "stride_phase", "subpixel_dim", "tap_reads_only_padding",
+           "tap_rows", "transposed_output_rows"]
+
+
+def output_rows(i: int, k: int, s: int, d: int, pads: Pair) -> int:
+    """Rows o of a forward conv's output along one dim: floor((i + p_lo + p_hi - d(k-1) - 1) / s) + 1."""
+    lo, hi = pads
+    return (i + lo + hi - d * (k - 1) - 1) // s + 1
+
+
+def transposed_output_rows(o: int, k: int, s: int, d: int, op: int, pads: Pair) -> int:
+    """Rows i of a transposed conv's output along one dim: (o-1)s + d(k-1) + 1 + output_padding - p_lo - p_hi."""
+    lo, hi = pads
+    return (o - 1) * s + d * (k - 1) + 1 + op - lo - hi
+
+
+def leftover_rows(i: int, o: int, k: int, s: int, d: int, pads: Pair) -> int:
+    """r along one dim: the trailing rows of the padded big side that no output reads (the package docstring)."""
+    lo, hi = pads
+    return i + lo + hi - d * (k - 1) - 1 - (o - 1) * s
+
+
+def tap_reads_only_padding(i: int, o: int, k: int, s: int, d: int, p_lo: int) -> bool:
+    """Whether some tap t of one dim meets padding alone at every output m < o (it reads x row t*d - p_lo + m*s);
+    False when x or y is empty."""
+    if i == 0 or o == 0:
+        return False
+    for t in range(k):
+        first = t * d - p_lo  # the row tap t reads at output 0 (negative: padding)
+        m = max(0, -(first // s))  # the first output at which it reads a row >= 0
+        if m >= o or first + m * s >= i:
+            return True
+    return False
+
+
+class PhaseTaps(NamedTuple):
+    """The kernel taps that reach one phase of the big side along one dim (polyphase grad of x).
+
+    Phase rho holds the rows x[rho], x[rho + s], x[rho + 2s], ... (``ConvSpec.phase_rows`` of them).
+    They are a stride-1 convolution, dilation ``dilation`` = d/g (g = gcd(s, d)), of y padded by
+    ``pads`` with the taps flipped[first], flipped[first + step], ... (``count`` of them, step = s/g)
+    of the kernel flipped in that dim. See ``phase_taps`` for the derivation.
+    """
+
+    first: int
+    step: int
+    count: int
+    pads: Pair
+    dilation: int
+
+
+class FftDim(NamedTuple):
+    """One dim of the FFT backend's polyphase split (``ConvSpec.fft_phases``).
+
+    x padded by ``pads`` has s*``rows`` rows; its phase ``phases[p]`` (rows phi::s) is correlated, stride 1, with a
+    kernel of ``taps`` slots in which tap t sits at slot ``slots[t]`` - p*taps; ``size`` is the transform length.
+    """
+
+    phases: tuple[int, ...]
+    taps: int
+    rows: int
+    pads: Pair
+    size: int
+    slots: tuple[int, ...]
+
+
+def smooth_size(n: int) -> int:
+    """The smallest 5-smooth integer (2^a 3^b 5^c) >= n: a transform length FFT libraries compute fastest.
+
+    Examples:
+        >>> [smooth_size(n) for n in (1, 7, 11, 58, 97, 1025)]
+        [1, 8, 12, 60, 100, 1080]
+    """
+    best, p2 = None, 1
+    while True:
+        p3 = p2
+        while True:
+            p5 = p3
+            while p5 < n:
+                p5 *= 5
+            best = p5 if best is None else min(best, p5)
+            if p3 >= n:
+                break
+            p3 *= 3
+        if p2 >= n:
+            return best
+        p2 *= 2
+
+
+def phase_taps(i: int, k: int, s: int, d: int, p_lo: int, o: int) -> tuple[PhaseTaps | None, ...]:
+    """For each phase rho = 0..s-1 of one dim of the big side, its taps, or None when no tap reaches it.
+
+    Row u = rho + s*b of x sits at m = u + p_lo in x_pad, whose gradient is the sum of y[j] w[t]
+    over j*s + t*d = m. Write m = phi + s*(b + e) with phi = (rho + p_lo) mod s, e = (rho + p_lo) div s.
+    Then t*d = phi (mod s): with g = gcd(s, d), S = s/g, D = d/g this needs g | phi and
+    t = t0 (mod S), t0 = (phi/g) * D^-1 (mod S); so t = t0 + S*q, q < count = ceil((k - t0)/S), and
+    j = b + e - c0 - q*D with c0 = (t0*d - phi)/s. Flipping q (q' = count-1-q, flipped tap
+    first + S*q', first = k-1-t0-S*(count-1)) turns this into a stride-1 conv with dilation D of y
+    padded by lo = c0 + (count-1)*D - e, and hi such that it yields ceil(i/s) rows. A phase is empty
+    when no tap reaches it, or when its window of y lies wholly in the padding.
+    """
+    g = math.gcd(s, d)
+    step, dil, rows = s // g, d // g, -(-i // s)
+    out: list[PhaseTaps | None] = []
+    for rho in range(s):
+        phi, e = (rho + p_lo) % s, (rho + p_lo) // s
+        t0 = (phi // g) * pow(dil, -1, step) % step if step > 1 else 0
+        count = -(-(k - t0) // step)
+        if phi % g or rho >= i or count < 1:
+            out.append(None)
+            continue
+        lo = (t0 * d - phi) // s + (count - 1) * dil - e
+        hi = rows + (count - 1) * dil - o - lo
+        out.append(None if -lo >= o or o + hi <= 0 else PhaseTaps(k - 1 - t0 - step * (count - 1), step, count,
+                                                                   (lo, hi), dil))
+    return tuple(out)
+
+
+def tap_rows(size: int, rows: int, offset: int, reach: int) -> tuple[int, int, int]:
+    """A stride-1 conv evaluated tap by tap, along one dim: output row r reads data row r + offset + reach
+    (reach = tap * dilation), which exists for 0 <= r + offset + reach < size.
+
+    Args:
+        size: rows of the data (int). rows: rows of the output (int).
+        offset: data row read by output row 0 at tap 0 (int; negative: that row is padding).
+        reach: tap * dilation (int, >= 0).
+
+    Returns:
+        ``(first, stop, data_first)``: the output rows first..stop-1 read a data row, the first of them
+        row data_first. ``first >= stop`` when the tap reads no data row at all.
+
+    Source: the polyphase form in the docs' "Derivation" page (fwdconv's ``DepthwiseTaps`` sums the taps this way).
+
+    Examples:
+        >>> tap_rows(size=4, rows=4, offset=-1, reach=0)   # padding 1 before: row 0 reads nothing
+        (1, 4, 0)
+        >>> tap_rows(size=4, rows=4, offset=-1, reach=2)   # tap 1 at dilation 2: the last row reads nothing
+        (0, 3, 1)
+    """
+    first, stop = max(0, -(offset + reach)), min(rows, size - offset - reach)
+    return first, stop, first + offset + reach
+
+
+
+
+class PadSplit(NamedTuple):
+    """Per-dim pads (lo, hi) of one operand, split for a conv that can only pad symmetrically (one int per dim).
+
+    The conv pads ``grow`` = max(lo, hi, 0) on both sides; its output then starts ``start`` = grow - max(lo, 0)
+    rows early (the surplus rows the wanted pads did not ask for are skipped). The negative parts, ``crops`` =
+    (min(lo, 0), min(hi, 0)), are cropped from the operand before the conv (a view, never a copy).
+    """
+
+    grow: tuple[int, ...]
+    start: tuple[int, ...]
+    crops: tuple[Pair, ...]
+
+
+def pad_split(pads: Iterable[Pair]) -> PadSplit:
+    """Split (lo, hi) pads per dim into a symmetric conv padding, the rows it adds before, and a crop.
+
+    Padding by ``crops``, then by ``grow`` on both sides, then dropping ``start`` rows before gives exactly the
+    operand padded by ``pads``, followed by ``grow - max(hi, 0)`` surplus rows after (``max(lo, hi, 0) -
+    max(hi, 0)``), which a conv's output rows never need to read.
+
+    Examples:
+        >>> pad_split([(2, -1), (-3, 1), (0, 0)])
+        PadSplit(grow=(2, 1, 0), start=(0, 1, 0), crops=((0, -1), (-3, 0), (0, 0)))
+    """
+    pairs = tuple(pads)
+    grow = tuple(max(lo, hi, 0) for lo, hi in pairs)
+    start = tuple(q - max(lo, 0) for q, (lo, _) in zip(grow, pairs))
+    crops = tuple((min(lo, 0), min(hi, 0)) for lo, hi in pairs)
+    return PadSplit(grow, start, crops)
+
+
+def subpixel_dim(rows: int, o: int, dim: tuple[PhaseTaps | None, ...]) -> tuple[int, Pair, tuple[int, ...]] | None:
+    """One dim of ``ConvSpec.subpixel_taps``: (fused taps, pads of y, offset of each phase's taps), or None.
+
+    Each phase's taps are shifted by lo - lo_rho inside a common kernel of max(lo - lo_rho + count)
+    taps, and y is padded once by (lo, hi) with lo = max(lo_rho). None when some phase needs
+    dilation > 1 (d does not divide s) or the dim has no phase with taps (grad_input is then zero).
+    Empty phases get offset 0.
+    """
+    live = [p for p in dim if p is not None]
+    if not live or any(p.dilation != 1 for p in live):
+        return None
+    lo = max(p.pads[0] for p in live)
+    taps = max(lo - p.pads[0] + p.count for p in live)
+    offsets = tuple(0 if p is None else lo - p.pads[0] for p in dim)
+    return taps, (lo, rows + taps - 1 - o - lo), offsets
+
+
+def dilation_block(k: int, d: int, o: int) -> tuple[int, int]:
+    """One dim of ``ConvSpec.dilation_blocks``: (U, M) blocks of d rows of the read x and of y.
+
+    With stride 1, grad_weight[t] = sum_j x_read[t*d + j] y[j]; splitting j = d*m + phi makes it a
+    stride-1 conv of the d phases x_phi[u] = x_read[d*u + phi] (U = k - 1 + M blocks) with the
+    phases of y (M = ceil(o/d) blocks), phases folded into channels. y is zero-padded to M*d rows
+    and x_read to U*d rows.
+    """
+    m = -(-o // d)
+    return k - 1 + m, m
+
+
+def stride_phase(k: int, s: int, o: int, pads: Pair, size: int) -> tuple[int, int, Pair]:
+    """One dim of ``ConvSpec.stride_phases``: (Q, U, pads) of x for grad_weight by the stride s (dilation 1).
+
+    Tap t = s*q + rho meets x_read[s*(j + q) + rho], which is row j + q of phase rho (the rows rho::s):
+    each of the s phases is read by a stride-1 conv with Q = ceil(k/s) taps over U = o + Q - 1 rows, so
+    x is padded by ``pads``, x_read_pads (``pads``, read extent ``size``) with the high side grown to s*U rows
+    (the docs' "Derivation" page).
+    """
+    q = -(-k // s)
+    lo, hi = pads
+    return q, o + q - 1, (lo, hi + s * (o + q - 1) - size)
+
+
+def fft_phase(k: int, s: int, d: int, o: int, pads: Pair, size: int) -> FftDim:
+    """One dim of ``ConvSpec.fft_phases``: the polyphase split of the read x into stride-1 correlations.
+
+    Tap t reads x_pad[j*s + t*d]; with t*d = s*q + phi it is row j + q of phase phi (the rows phi::s), so each
+    phase is read by a stride-1 correlation with the taps whose t*d = phi (mod s), at offsets q = t*d div s.
+    Only the phases some tap reaches take part (the multiples of gcd(s, d) below s). With dilation 1 this is
+    ``stride_phase`` (Q = ceil(k/s), U = o + Q - 1, the same pads); with stride 1 it is the dilated kernel.
+    ``pads`` and ``size`` are x_read_pads and x_read_size of the dim.
+    """
+    q = d * (k - 1) // s + 1
+    rows = o + q - 1
+    phases = tuple(sorted({t * d % s for t in range(k)}))
+    slots = tuple(phases.index(t * d % s) * q + t * d // s for t in range(k))
+    lo, hi = pads
+    return FftDim(phases, q, rows, (lo, hi + s * rows - size), smooth_size(rows), slots)

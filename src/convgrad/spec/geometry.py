@@ -1,0 +1,400 @@
+"""``ConvSpec``: one convolution's validated hyperparameters, its forward geometry (the package docstring), its
+shapes, the pads of the backward's formulations and the specs derived from it. The per-dim arithmetic is in
+``formulation``, the argument checks in ``arguments``, chunk sizing in ``chunks``; the properties zip them over dims.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from convgrad.spec import chunks, formulation, report
+from convgrad.spec.arguments import SPECS, IntOrTuple, PaddingArg, Pair, check_extents, memo_key, normalise, remember
+from convgrad.spec.formulation import FftDim, PhaseTaps
+
+__all__ = ["ConvSpec"]
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """Validated hyperparameters and shapes of one (forward or transposed) convolution.
+
+    Build it with ``ConvSpec.from_shapes``. All sizes are user-facing: ``input``
+    is what the convolution reads, ``output`` what it produces; for a transposed
+    conv these are the small and the big side respectively.
+    """
+
+    batch: int
+    in_channels: int
+    out_channels: int
+    input_size: tuple[int, ...]
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[Pair, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    output_padding: tuple[int, ...]
+    groups: int
+    unbatched: bool = False
+    fn: str = field(default="convgrad", compare=False, repr=False)
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def from_shapes(cls, input_shape: Sequence[int], weight_shape: Sequence[int], stride: IntOrTuple = 1,
+                    padding: PaddingArg = 0, dilation: IntOrTuple = 1, transposed: bool = False,
+                    output_padding: IntOrTuple = 0, groups: int = 1, *, fn: str = "ConvSpec") -> ConvSpec:
+        """Validate convolution arguments against the input and weight shapes.
+
+        Args:
+            input_shape: ``(N, C_in, *spatial)`` or unbatched ``(C_in, *spatial)``.
+            weight_shape: ``(C_out, C_in/groups, *k)`` for a forward conv,
+                ``(C_in, C_out/groups, *k)`` for a transposed conv.
+            stride, dilation: int or N-tuple, each >= 1.
+            padding: int, N-tuple, N-tuple of ``(lo, hi)`` pairs, ``'valid'`` or ``'same'``.
+            transposed: describe a transposed convolution.
+            output_padding: int or N-tuple; only for transposed convs, each < max(stride, dilation).
+            groups: int >= 1 dividing both channel counts.
+            fn: the public function name used in error messages.
+
+        Raises:
+            TypeError: a non-integer where an int is needed.
+            ValueError: any value out of range or inconsistent with the shapes.
+        """
+        args = (input_shape, weight_shape, stride, padding, dilation, transposed, output_padding, groups, fn)
+        key = memo_key(cls, args)
+        remembered = None if key is None else SPECS.get(key)  # one lookup: another thread may clear it
+        if remembered is not None:
+            return remembered  # type: ignore[no-any-return]  # SPECS holds only ConvSpecs, keyed by their class
+        spec = cls._validated(*args)
+        if key is not None:
+            remember(key, spec)
+        return spec
+
+    @classmethod
+    def _validated(cls, input_shape: Sequence[int], weight_shape: Sequence[int], stride: IntOrTuple = 1,
+                   padding: PaddingArg = 0, dilation: IntOrTuple = 1, transposed: bool = False,
+                   output_padding: IntOrTuple = 0, groups: int = 1, fn: str = "ConvSpec") -> ConvSpec:
+        """from_shapes without its memo (what torch.compile traces)."""
+        spec = cls(*normalise(input_shape, weight_shape, stride, padding, dilation, transposed, output_padding, groups,
+                              fn), fn)
+        check_extents(fn, spec.input_size, spec.kernel_size, spec.dilation, spec.padding, spec.transposed,
+                      spec.x_size)
+        return spec
+
+    # ---- the forward geometry ----------------------------------------------------
+    @property
+    def n(self) -> int:
+        """Number of spatial dims."""
+        return len(self.kernel_size)
+
+    @property
+    def x_channels(self) -> int:
+        """Channels of the big side (forward: input; transposed: output)."""
+        return self.out_channels if self.transposed else self.in_channels
+
+    @property
+    def y_channels(self) -> int:
+        """Channels of the small side (forward: output; transposed: input)."""
+        return self.in_channels if self.transposed else self.out_channels
+
+    @property
+    def y_size(self) -> tuple[int, ...]:
+        """Spatial extent o of the small side."""
+        if self.transposed:
+            return self.input_size
+        return tuple(formulation.output_rows(i, k, s, d, pads) for i, k, s, d, pads in zip(
+            self.input_size, self.kernel_size, self.stride, self.dilation, self.padding))
+
+    @property
+    def x_size(self) -> tuple[int, ...]:
+        """Spatial extent i of the big side (for a transposed conv, its output size)."""
+        if not self.transposed:
+            return self.input_size
+        return tuple(formulation.transposed_output_rows(o, k, s, d, op, pads) for o, k, s, d, op, pads in zip(
+            self.input_size, self.kernel_size, self.stride, self.dilation, self.output_padding, self.padding))
+
+    @property
+    def leftover(self) -> tuple[int, ...]:
+        """r per dim: trailing rows of the padded big side that no output position reads."""
+        return tuple(formulation.leftover_rows(i, o, k, s, d, pads) for i, o, k, s, d, pads in zip(
+            self.x_size, self.y_size, self.kernel_size, self.stride, self.dilation, self.padding))
+
+    @property
+    def unread_input_rows(self) -> tuple[int, ...]:
+        """How many of the leftover rows are real rows of the big side (not padding): max(0, r - p_hi)."""
+        return tuple(max(0, r - hi) for r, (_, hi) in zip(self.leftover, self.padding))
+
+    # ---- user-facing shapes ------------------------------------------------------
+    @property
+    def output_size(self) -> tuple[int, ...]:
+        """Spatial size of the convolution's output."""
+        return self.x_size if self.transposed else self.y_size
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Batched input shape (N, C_in, *input_size)."""
+        return (self.batch, self.in_channels, *self.input_size)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """Batched output shape (N, C_out, *output_size), also the shape of grad_output."""
+        return (self.batch, self.out_channels, *self.output_size)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        """(C_y, C_x/groups, *k): (C_out, C_in/g, *k) forward, (C_in, C_out/g, *k) transposed."""
+        return (self.y_channels, self.x_channels // self.groups, *self.kernel_size)
+
+    @property
+    def x_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.x_channels, *self.x_size)
+
+    @property
+    def y_shape(self) -> tuple[int, ...]:
+        return (self.batch, self.y_channels, *self.y_size)
+
+    @property
+    def side_elements(self) -> int:
+        """Elements of x and y together, the whole batch (a layer's input and grad_output)."""
+        return math.prod(self.x_shape) + math.prod(self.y_shape)
+
+    @property
+    def is_symmetric(self) -> bool:
+        """True when every dim pads equally on both sides (expressible as one int per dim in torch)."""
+        return all(lo == hi for lo, hi in self.padding)
+
+    # ---- the pads of the backward formulations -----------------------------------
+    @property
+    def x_read_pads(self) -> tuple[Pair, ...]:
+        """Pads of x so that a stride-s conv reads it exactly: (p_lo, p_hi - r); negative = crop."""
+        return tuple((lo, hi - r) for (lo, hi), r in zip(self.padding, self.leftover))
+
+    @property
+    def zero_inserted_size(self) -> tuple[int, ...]:
+        """Extent of y after inserting s-1 zeros between entries: (o-1)s + 1."""
+        return tuple((o - 1) * s + 1 for o, s in zip(self.y_size, self.stride))
+
+    @property
+    def transpose_pads(self) -> tuple[Pair, ...]:
+        """Pads of the zero-inserted y for the grad-of-x conv: (d(k-1)-p_lo, d(k-1)-p_hi+r); negative = crop."""
+        return tuple(
+            (d * (k - 1) - lo, d * (k - 1) - hi + r)
+            for k, d, (lo, hi), r in zip(self.kernel_size, self.dilation, self.padding, self.leftover)
+        )
+
+    @property
+    def transpose_padded_size(self) -> tuple[int, ...]:
+        """Extent of the zero-inserted, padded y: i + d(k-1), which a stride-1 conv maps back to i."""
+        return tuple(i + d * (k - 1) for i, k, d in zip(self.x_size, self.kernel_size, self.dilation))
+
+    @property
+    def x_read_size(self) -> tuple[int, ...]:
+        """Extent of x after x_read_pads: (o-1)s + d(k-1) + 1, exactly what the conv reads."""
+        return tuple((o - 1) * s + d * (k - 1) + 1
+                     for o, k, s, d in zip(self.y_size, self.kernel_size, self.stride, self.dilation))
+
+    @property
+    def kernel_extent(self) -> tuple[int, ...]:
+        """d(k-1) + 1 per dim: the span of x that one position of y reads (im2col's window)."""
+        return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel_size, self.dilation))
+
+    def tap_window(self, tap: Sequence[int]) -> tuple[slice, ...]:
+        """Slices of the read x (x_read_size) that kernel tap t meets at the o positions: t*d : t*d+(o-1)s+1 : s.
+
+        col2im adds the columns of tap t into exactly these slices.
+        """
+        return tuple(slice(t * d, t * d + (o - 1) * s + 1, s)
+                     for t, d, s, o in zip(tap, self.dilation, self.stride, self.y_size))
+
+    @property
+    def reads_only_padding(self) -> bool:
+        """Whether some kernel tap meets padding alone at every output position (in some dim): its grad_weight is
+        exactly 0 (``formulation.tap_reads_only_padding``); False when x or y is empty."""
+        return any(formulation.tap_reads_only_padding(i, o, k, s, d, lo) for i, o, k, s, d, (lo, _) in zip(
+            self.x_size, self.y_size, self.kernel_size, self.stride, self.dilation, self.padding))
+
+    @property
+    def positions(self) -> int:
+        """P = prod(y_size): positions of the small side, the per-sample contraction length of grad_weight."""
+        return math.prod(self.y_size)
+
+    @property
+    def taps(self) -> int:
+        """T = prod(k): kernel taps."""
+        return math.prod(self.kernel_size)
+
+    def fit_output_size(self, output_size: Sequence[int]) -> ConvSpec:
+        """This transposed conv with the output_padding that yields output_size (ConvTranspose's output_size=)."""
+        op = tuple(want - (x - p) for want, x, p in zip(output_size, self.x_size, self.output_padding))
+        return ConvSpec.from_shapes(self.input_shape, self.weight_shape, self.stride, self.padding, self.dilation,
+                                    self.transposed, op, self.groups, fn=self.fn)
+
+    @property
+    def symmetric_padding(self) -> tuple[int, ...]:
+        """min(p_lo, p_hi) per dim: the part of the padding torch can express as one int."""
+        return tuple(min(lo, hi) for lo, hi in self.padding)
+
+    @property
+    def aten_args(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool, tuple[int, ...], int]:
+        """(stride, padding, dilation, transposed, output_padding, groups) as aten.convolution takes them, with
+        symmetric_padding (the rest of the padding is applied explicitly, see padding_excess)."""
+        return (self.stride, self.symmetric_padding, self.dilation, self.transposed, self.output_padding,
+                self.groups)
+
+    @property
+    def padding_excess(self) -> tuple[Pair, ...]:
+        """Padding beyond symmetric_padding on each side, applied explicitly to the big side."""
+        return tuple((lo - m, hi - m) for (lo, hi), m in zip(self.padding, self.symmetric_padding))
+
+    # ---- polyphase, sub-pixel and space-to-depth geometry ----------------------------
+    @property
+    def phase_rows(self) -> tuple[int, ...]:
+        """ceil(i/s) per dim: rows per phase of the big side; interleaving the s phases gives s*ceil(i/s) >= i."""
+        return tuple(-(-i // s) for i, s in zip(self.x_size, self.stride))
+
+    @property
+    def phases(self) -> tuple[tuple[PhaseTaps | None, ...], ...]:
+        """Per dim, for each phase rho = 0..s-1 of the big side, the taps that reach it (None: an empty phase).
+
+        At most s/gcd(s, d) phases per dim receive taps, so at most prod(s/g) of the prod(s) N-d phases
+        (``formulation.phase_taps`` has the derivation).
+        """
+        return tuple(formulation.phase_taps(i, k, s, d, lo, o) for i, k, s, d, (lo, _), o in zip(
+            self.x_size, self.kernel_size, self.stride, self.dilation, self.padding, self.y_size))
+
+    @property
+    def subpixel_taps(self) -> tuple[tuple[int, Pair, tuple[int, ...]], ...] | None:
+        """Per dim (fused taps, pads of y, offset of each phase's taps): every phase in one conv (sub-pixel); None
+        when some phase needs dilation > 1 or a dim has no phase with taps (``formulation.subpixel_dim``)."""
+        out = []
+        for rows, o, dim in zip(self.phase_rows, self.y_size, self.phases):
+            fused = formulation.subpixel_dim(rows, o, dim)
+            if fused is None:
+                return None
+            out.append(fused)
+        return tuple(out)
+
+    @property
+    def dilation_blocks(self) -> tuple[tuple[int, int], ...]:
+        """Per dim (U, M): blocks of d rows of the read x and of y for space-to-depth by the dilation d
+        (``formulation.dilation_block``)."""
+        return tuple(formulation.dilation_block(k, d, o) for k, d, o in zip(self.kernel_size, self.dilation,
+                                                                             self.y_size))
+
+    @property
+    def stride_phases(self) -> tuple[tuple[int, int, Pair], ...]:
+        """Per dim (Q, U, pads): the phases of x for grad_weight by the stride s, with dilation 1
+        (``formulation.stride_phase`` has the derivation).
+
+        Returns:
+            tuple of (Q, U, (lo, hi)) per spatial dim.
+
+        Examples:
+            >>> ConvSpec.from_shapes((1, 1, 7), (1, 1, 3), stride=2, padding=1).stride_phases
+            ((2, 5, (1, 2)),)
+        """
+        return tuple(formulation.stride_phase(k, s, o, pads, size) for k, s, o, pads, size in zip(
+            self.kernel_size, self.stride, self.y_size, self.x_read_pads, self.x_read_size))
+
+    @property
+    def fft_phases(self) -> tuple[FftDim, ...]:
+        """Per dim the polyphase split of the read x into stride-1 correlations, for the FFT backend
+        (``formulation.fft_phase`` has the derivation).
+
+        Returns:
+            tuple of ``FftDim`` per spatial dim: the live phases, Q, U, the pads of x to s*U rows, the transform
+            size L (5-smooth, >= U, so the circular products do not wrap) and each tap's slot p*Q + q.
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((1, 1, 7), (1, 1, 3), stride=2, padding=1)
+            >>> spec.fft_phases[0][1:4] == spec.stride_phases[0]
+            True
+            >>> ConvSpec.from_shapes((1, 1, 9), (1, 1, 3), stride=2, dilation=2).fft_phases[0]
+            FftDim(phases=(0,), taps=3, rows=5, pads=(0, 1), size=5, slots=(0, 1, 2))
+        """
+        return tuple(formulation.fft_phase(k, s, d, o, pads, size) for k, s, d, o, pads, size in zip(
+            self.kernel_size, self.stride, self.dilation, self.y_size, self.x_read_pads, self.x_read_size))
+
+    def fft_chunks(self, phase_count: int, budget: int) -> tuple[int, int]:
+        """(groups, samples) per chunk of the FFT backend, so that one chunk's spectra hold about ``budget`` reals:
+        per group the kernel spectra hold (C_y/g)(C_x/g)P complex bins per frequency, per group and sample the
+        spectra of x and y (C_x/g)P + C_y/g (P: the live phases); ``chunks.fft_chunks`` fits them.
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((8, 64, 28, 28), (64, 1, 31, 31), padding=15, groups=64)
+            >>> spec.fft_chunks(1, 2**22)
+            (64, 8)
+            >>> spec.fft_chunks(1, 2**18)
+            (4, 8)
+        """
+        bins = 2 * math.prod(f.size for f in self.fft_phases[:-1]) * (self.fft_phases[-1].size // 2 + 1)
+        a, b = self.y_channels // self.groups, self.x_channels // self.groups * phase_count
+        return chunks.fft_chunks(a * b * bins, (a + b) * bins, self.batch, self.groups, budget)
+
+    def with_batch_in_groups(self) -> ConvSpec:
+        """The N per-sample convolutions as one: a batch of 1 whose channels and groups are N times as many.
+
+        Sample n's channels become group block n, so the weight gradient of this conv, ``(N*w0, *w[1:])``, is the
+        N per-sample weight gradients stacked (the fold torch.func's vmap applies to a convolution).
+
+        Returns:
+            ConvSpec: batch 1, ``N*C_in`` and ``N*C_out`` channels, ``N*groups`` groups; the spatial sizes, stride,
+            padding and dilation unchanged.
+
+        Raises:
+            ValueError: a batch of 0 (there is no conv to fold into).
+
+        Examples:
+            >>> folded = ConvSpec.from_shapes((3, 4, 9, 8), (6, 2, 3, 2), stride=2, groups=2).with_batch_in_groups()
+            >>> folded.input_shape, folded.weight_shape, folded.groups
+            ((1, 12, 9, 8), (18, 2, 3, 2), 6)
+        """
+        if self.batch < 1:
+            raise ValueError(f"{self.fn}: with_batch_in_groups needs batch >= 1, got batch={self.batch}")
+        n = self.batch
+        return replace(self, batch=1, in_channels=n * self.in_channels, out_channels=n * self.out_channels,
+                       groups=n * self.groups, unbatched=False)
+
+    def with_leading_unit_dim(self) -> ConvSpec:
+        """The same convolution with one more spatial dim in front, of extent 1 everywhere (a 1d conv as a 2d one
+        over rows of height 1): kernel 1, stride 1, no padding, dilation 1, output_padding 0 in the new dim."""
+        return replace(self, input_size=(1, *self.input_size), kernel_size=(1, *self.kernel_size),
+                       stride=(1, *self.stride), padding=((0, 0), *self.padding),
+                       dilation=(1, *self.dilation), output_padding=(0, *self.output_padding))
+
+    def with_batch(self, batch: int) -> ConvSpec:
+        """The same convolution on ``batch`` samples (a chunk or slice of the batch, a batch bucket); itself when
+        the batch is unchanged.
+
+        Raises:
+            ValueError: a negative batch.
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((32, 4, 9, 9), (6, 4, 3, 3))
+            >>> spec.with_batch(8).input_shape, spec.with_batch(32) is spec
+            ((8, 4, 9, 9), True)
+        """
+        if batch < 0:
+            raise ValueError(f"{self.fn}: batch={batch} must be >= 0")
+        return self if batch == self.batch else replace(self, batch=batch)
+
+    def with_merged_groups(self, merge: int) -> ConvSpec:
+        """The same operands as a convolution with ``merge`` consecutive groups merged into one, ``groups // merge``
+        groups: its weight is ``(C_out, merge * C_in/groups, *k)`` (transposed: ``(C_in, merge * C_out/groups, *k)``).
+        With block-diagonal weights it computes the same convolution.
+
+        Raises:
+            ValueError: merge does not divide groups.
+        """
+        if merge < 1 or self.groups % merge:
+            raise ValueError(f"{self.fn}: merge={merge} must divide groups={self.groups}")
+        return replace(self, groups=self.groups // merge)
+
+    def macs(self) -> int:
+        """Multiply-accumulates of the forward conv (= of each of its two gradients)."""
+        return self.batch * self.y_channels * self.positions * (self.x_channels // self.groups) * self.taps
+
+    def describe(self) -> str:
+        """One line: the configuration in torch's argument names; an unbatched input as given, (C_in, *spatial)."""
+        return report.describe(self)
