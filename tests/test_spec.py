@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, same_padding, tap_rows
+from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, pad_split, padded_sizes, same_padding, tap_rows
 from helpers import grid_cases, random_cases, reference_forward
 
 
@@ -231,3 +231,25 @@ def test_tap_rows_are_the_rows_that_read_data_by_brute_force() -> None:
                     assert list(range(first, stop)) == reading, (size, rows, offset, reach)
                     if reading:
                         assert data_first == reading[0] + offset + reach, (size, rows, offset, reach)
+
+
+PAD_VALUES = range(-3, 4)
+
+
+@pytest.mark.parametrize("lo", PAD_VALUES)
+@pytest.mark.parametrize("hi", PAD_VALUES)
+def test_pad_split_matches_the_builders_formula_and_pads_exactly(lo: int, hi: int) -> None:
+    """pad_split replaced three copies (fwdconv's _phase_conv and _subpixel_plan, fwdconv_weight's _x_pads) of
+    grow = max(lo, hi, 0), start = grow - max(lo, 0), crops = (min(lo, 0), min(hi, 0)); it must agree with that
+    formula, and cropping by crops, padding grow on both sides and skipping start rows must give the rows padded
+    by (lo, hi), followed only by surplus rows."""
+    grow, start, crops = pad_split([(lo, hi), (hi, lo)])
+    for (a, b), g, s, c in zip([(lo, hi), (hi, lo)], grow, start, crops):
+        assert (g, s, c) == (max(a, b, 0), max(a, b, 0) - max(a, 0), (min(a, 0), min(b, 0)))
+        rows = torch.arange(1.0, 9.0)
+        want = torch.nn.functional.pad(rows[max(-a, 0): len(rows) - max(-b, 0)], (max(a, 0), max(b, 0)))
+        cropped = rows[-c[0]: len(rows) + c[1]]
+        got = torch.nn.functional.pad(cropped, (g, g))[s:]
+        assert torch.equal(got[: len(want)], want)
+        assert len(got) - len(want) == g - max(b, 0)  # the surplus rows a conv's output never reads
+        assert padded_sizes([len(rows)], [(a, b)]) == (len(want),)

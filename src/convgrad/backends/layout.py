@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from convgrad._ops import placeholder
-from convgrad.spec import ConvSpec
+from convgrad.spec import ConvSpec, padded_sizes
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 _select = getattr(torch._C, "_select_conv_backend", None)  # private; absent: the meta rule
@@ -66,7 +66,7 @@ def _seen_input(spec: ConvSpec, input: torch.Tensor | None, like: torch.Tensor) 
     excess = spec.padding_excess
     if spec.transposed or not any(lo or hi for lo, hi in excess):
         return input
-    size = [i + lo + hi for i, (lo, hi) in zip(input.shape[2:], excess)]
+    size = padded_sizes(input.shape[2:], excess)
     return torch.empty((*input.shape[:2], *size), dtype=input.dtype, device=input.device,
                        memory_format=_suggested(input))  # (N, C_in, *(i + excess))
 

@@ -15,14 +15,24 @@ from typing import NamedTuple
 from convgrad.spec.arguments import Pair
 
 __all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "leftover_rows", "output_rows",
-           "pad_split", "phase_taps", "smooth_size", "stride_phase", "subpixel_dim", "tap_reads_only_padding",
-           "tap_rows", "transposed_output_rows"]
+           "pad_split", "padded_sizes", "phase_taps", "smooth_size", "stride_phase", "subpixel_dim",
+           "tap_reads_only_padding", "tap_rows", "transposed_output_rows"]
 
 
 def output_rows(i: int, k: int, s: int, d: int, pads: Pair) -> int:
     """Rows o of a forward conv's output along one dim: floor((i + p_lo + p_hi - d(k-1) - 1) / s) + 1."""
     lo, hi = pads
     return (i + lo + hi - d * (k - 1) - 1) // s + 1
+
+
+def padded_sizes(sizes: Iterable[int], pads: Iterable[Pair]) -> tuple[int, ...]:
+    """Extents after padding each dim by (lo, hi); a negative amount crops.
+
+    Examples:
+        >>> padded_sizes((5, 7), [(1, 2), (-2, 0)])
+        (8, 5)
+    """
+    return tuple(n + lo + hi for n, (lo, hi) in zip(sizes, pads))
 
 
 def transposed_output_rows(o: int, k: int, s: int, d: int, op: int, pads: Pair) -> int:

@@ -34,7 +34,7 @@ from convgrad.backends.fwdconv.contractions import (
 )
 from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, flat, slices
 from convgrad.backends.fwdconv.steps import Flip, Pad, Subsample, SwapGroupChannels, ZeroInsert, new_like, pad_or_fold
-from convgrad.spec import ConvSpec, Pair, PhaseTaps, tap_rows
+from convgrad.spec import ConvSpec, Pair, PhaseTaps, output_rows, pad_split, padded_sizes, tap_rows
 
 Shape = tuple[int, ...]
 
@@ -154,9 +154,7 @@ def _phase_conv(taps: list[PhaseTaps], groups: int, rows: Shape, y_size: Shape,
     nd = len(taps)
     if all(t.count == 1 for t in taps):  # one tap: a (grouped) matmul after shifting y
         return MatMul(groups, True, rows), pads, (0,) * nd
-    grow = tuple(max(lo, hi, 0) for lo, hi in pads)  # the conv pads symmetrically; its surplus rows are skipped
-    start = tuple(p - max(lo, 0) for p, (lo, _) in zip(grow, pads))
-    crops = tuple((min(lo, 0), min(hi, 0)) for lo, hi in pads)
+    grow, start, crops = pad_split(pads)  # the conv pads symmetrically; its surplus rows are skipped
     if depthwise and math.prod(t.count for t in taps) <= TAPS_MAX_PHASE_TAPS:
         return _depthwise_taps(taps, rows, y_size, crops, tuple(b - q for b, q in zip(start, grow))), crops, (0,) * nd
     conv_rows = tuple(r + b + p - max(hi, 0) for r, b, p, (_, hi) in zip(rows[2:], start, grow, pads))
@@ -167,7 +165,7 @@ def _phase_conv(taps: list[PhaseTaps], groups: int, rows: Shape, y_size: Shape,
 def _depthwise_taps(taps: list[PhaseTaps], rows: Shape, y_size: Shape, crops: tuple[Pair, ...],
                     offsets: Shape) -> DepthwiseTaps:
     """A depthwise phase tap by tap: row r of the phase reads row r + offset + tap * dilation of the cropped y."""
-    size = tuple(o + lo + hi for o, (lo, hi) in zip(y_size, crops))
+    size = padded_sizes(y_size, crops)
     reach: list[tuple[int, tuple[tuple[int, int, int], ...]]] = []
     for index, tap in enumerate(itertools.product(*(range(t.count) for t in taps))):
         dims = tuple(tap_rows(n, r, off, q * t.dilation) for n, r, off, q, t in zip(size, rows[2:], offsets, tap, taps))
@@ -207,15 +205,13 @@ def _subpixel_plan(spec: ConvSpec, gradient: str, data: str, reason: str = "") -
     fused, pads, offsets = zip(*geometry)
     p = math.prod(spec.stride)
     kernel_steps = (*_grad_x_kernel_steps(spec), SubpixelKernel(g, spec.phases, offsets, (p * cx, cy // g, *fused)))
-    grow = tuple(max(lo, hi, 0) for lo, hi in pads)  # symmetric conv padding; the surplus rows are skipped
-    start = tuple(q - max(lo, 0) for q, (lo, _) in zip(grow, pads))
-    crops = tuple((min(lo, 0), min(hi, 0)) for lo, hi in pads)
-    cropped = (n_, cy, *(o + lo + hi for o, (lo, hi) in zip(spec.y_size, crops)))
+    grow, start, crops = pad_split(pads)  # symmetric conv padding; the surplus rows are skipped
+    cropped = (n_, cy, *padded_sizes(spec.y_size, crops))
     if any(c < 1 for c in cropped[2:]):  # the crop alone would empty y: pad it explicitly instead
         grow, start, crops = (0,) * nd, (0,) * nd, tuple(pads)
-        cropped = (n_, cy, *(o + lo + hi for o, (lo, hi) in zip(spec.y_size, crops)))
+        cropped = (n_, cy, *padded_sizes(spec.y_size, crops))
     pad_steps = (Pad(crops, cropped),) if any(lo or hi for lo, hi in crops) else ()
-    conv_rows = tuple(c + 2 * q - f + 1 for c, q, f in zip(cropped[2:], grow, fused))
+    conv_rows = tuple(output_rows(c, f, 1, 1, (q, q)) for c, q, f in zip(cropped[2:], grow, fused))
     conv = Conv((1,) * nd, grow, (1,) * nd, g, (n_, p * cx, *conv_rows))
     post = (DepthToSpace(g, spec.stride, spec.x_shape, start),)
     return Plan(gradient, spec, data, "weight", tuple(pad_steps), kernel_steps, conv, post, spec.x_shape,

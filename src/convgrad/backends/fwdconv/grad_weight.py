@@ -36,7 +36,7 @@ from convgrad.backends.fwdconv.steps import (
     channels_last,
     pad_or_fold,
 )
-from convgrad.spec import ConvSpec, Pair
+from convgrad.spec import ConvSpec, Pair, output_rows, pad_split, padded_sizes
 
 Shape = tuple[int, ...]
 
@@ -181,7 +181,7 @@ class StrideToDepth:
 
     def code(self, v: str, shape: Shape) -> list[str]:
         n, c, *size = shape
-        padded = (n, c, *(i + lo + hi for i, (lo, hi) in zip(size, self.pads)))
+        padded = (n, c, *padded_sizes(size, self.pads))
         split, perm = self._split(padded)
         return [*pad_code(v, v, self.pads, f"{padded}"),
                 f"{v} = {v}.reshape({commas(split)}).permute({commas(perm)}).reshape({commas(self.shape)})"
@@ -243,14 +243,12 @@ def _x_pads(spec: ConvSpec) -> tuple[tuple[Step, ...], Shape, Shape, tuple[Pair,
     """
     shape = (spec.batch, spec.x_channels)
     pads = spec.x_read_pads
-    grow = tuple(max(lo, hi, 0) for lo, hi in pads)
-    extra = tuple(g - max(lo, 0) for g, (lo, _) in zip(grow, pads))
-    crops = tuple((min(lo, 0), min(hi, 0)) for lo, hi in pads)
-    size = tuple(i + lo + hi for i, (lo, hi) in zip(spec.x_size, crops))
+    grow, extra, crops = pad_split(pads)
+    size = padded_sizes(spec.x_size, crops)
     if any(e % d for e, d in zip(extra, spec.dilation)) or any(n < 1 for n in size):  # or the crop empties x
         steps, conv_pad, padded = pad_or_fold(pads, (*shape, *spec.x_size), (*shape, *spec.x_read_size))
         return tuple(steps), padded, conv_pad, ((0, 0),) * spec.n
-    out = tuple((n + 2 * g - s * (o - 1) - 1) // d + 1
+    out = tuple(output_rows(n, o, d, s, (g, g))  # a conv of stride d, dilation s and o taps
                 for n, g, s, o, d in zip(size, grow, spec.stride, spec.y_size, spec.dilation))
     crop_out = tuple((-(e // d), -(m - e // d - k)) for e, d, m, k in zip(extra, spec.dilation, out, spec.kernel_size))
     steps = (Pad(crops, (*shape, *size)),) if any(lo or hi for lo, hi in crops) else ()
