@@ -32,10 +32,10 @@ import torch
 
 from convgrad.backends import FusedBackend, get_backend, register
 from convgrad.spec import ConvSpec
+from convgrad.spec.chunks import CHUNK_BYTES, equal_chunk  # CHUNK_BYTES: a chunk's input and grad_output
 
 __all__ = ["CHUNK_BYTES", "ChunkPlan", "ChunkedBackend", "chunk_size", "execute", "plan"]
 
-CHUNK_BYTES = 4 * 2**20  # one chunk's input and grad_output together (see the module docstring)
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None]
 
@@ -62,9 +62,7 @@ def chunk_size(spec: ConvSpec, itemsize: int, limit: int | None = None) -> int:
     limit = CHUNK_BYTES if limit is None else limit
     per_sample = (math.prod(spec.input_shape[1:]) + math.prod(spec.output_shape[1:])) * itemsize
     batch = max(spec.batch, 1)
-    most = max(1, min(batch, limit // max(per_sample, 1)))
-    count = -(-batch // most)
-    return -(-batch // count)
+    return equal_chunk(batch, max(1, limit // max(per_sample, 1)))
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,12 @@ import torch
 from convgrad._ops import add_product_, batched_like, pad, plain, sliced
 from convgrad.backends import FusedBackend, register
 from convgrad.spec import ConvSpec
+from convgrad.spec.chunks import CHUNK_BYTES, equal_chunk
 
 __all__ = ["CHUNK_TARGET_BYTES", "DEFAULT_MAX_WORKSPACE_BYTES", "GemmBackend", "chunking"]
 
 DEFAULT_MAX_WORKSPACE_BYTES = 256 * 2**20
-CHUNK_TARGET_BYTES = 4 * 2**20
+CHUNK_TARGET_BYTES = CHUNK_BYTES  # the speed target (module docstring)
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None]
 
@@ -89,14 +90,8 @@ def chunking(spec: ConvSpec, itemsize: int, max_workspace_bytes: int) -> tuple[i
     channels, batch = spec.x_channels // spec.groups, max(spec.batch, 1)
     samples = limit // (per_channel * channels)
     if samples >= 1:
-        return _balanced(batch, samples), channels
-    return 1, _balanced(channels, max(1, limit // per_channel))
-
-
-def _balanced(total: int, most: int) -> int:
-    """The chunk size that splits total into as few chunks of at most `most` as possible, evenly."""
-    count = -(-total // min(most, total))
-    return -(-total // count)
+        return equal_chunk(batch, samples), channels
+    return 1, equal_chunk(channels, max(1, limit // per_channel))
 
 
 def _windows(spec: ConvSpec, x: torch.Tensor) -> torch.Tensor:

@@ -23,15 +23,15 @@ from convgrad.backends.fwdconv import geometry as geo
 from convgrad.backends.fwdconv.plan import Contraction, commas, pad_code, slices
 from convgrad.backends.fwdconv.steps import channels_last, new_like
 from convgrad.spec import Pair
+from convgrad.spec.chunks import PHASE_CHUNK_BYTES
 
 Shape = tuple[int, ...]
 
 __all__ = ["CHUNK_BYTES", "Conv", "DepthwiseTaps", "MatMul", "Phase", "PhaseConvs", "TakeTaps", "phase_rows"]
 
 # Memory-bound phases (PhaseConvs.chunked) run a few samples at a time on the CPU, so that a chunk's phase results
-# are still in cache when they are interleaved into the big side: their writes, not the convs, are the cost there.
-# 16 MiB sits within the last-level cache of current server CPUs (measurements: grad_input.CHUNK_MAX_CHANNELS).
-CHUNK_BYTES = 16 * 2**20
+# are still in cache when they are interleaved into the big side (spec.chunks; grad_input.CHUNK_MAX_CHANNELS).
+CHUNK_BYTES = PHASE_CHUNK_BYTES
 
 
 def _coordinate(index: int, counts: Shape, dim: int) -> int:
