@@ -219,7 +219,7 @@ def check_example(ex: Example, device: torch.device) -> None:
         assert_matches_autograd(ours, ref, ex.dtype, f"conv{n}d_input/weight {case}")
 
 
-# found by this fuzzer: x_read_pads (3, -2) on a 1-row input; _ops.pad cropped before padding (narrow < 0)
+# found by this fuzzer: x_read_pads (3, -2) on a 1-row input; tensor_ops.pad cropped before padding (narrow < 0)
 PAD_THEN_CROP = Example(Case((1, 2, 1), (1, 1, 1, 1), (1, 1), ((3, 0), (0, 0)), (3, 1), 1, True, (2, 0)),
                         torch.float64, ("contiguous",) * 3, (True, True, True), False, 0)  # type: ignore[arg-type]
 # found by the thorough profile: the same bug in the numpy backend's own pad, unbatched 3d, pads (2, -2)
@@ -262,7 +262,7 @@ def test_relayout_keeps_values_and_changes_strides() -> None:
 
 def test_pad_crops_after_padding_when_the_crop_exceeds_the_input() -> None:
     """Regression (PAD_THEN_CROP): a pad (3, -2) of one row is 3 zeros and the row, less the last 2 entries."""
-    from convgrad._ops import pad
+    from convgrad.tensor_ops import pad
 
     t = torch.tensor([[[5.0]]])
     torch.testing.assert_close(pad(t, [(3, -2)]), torch.zeros(1, 1, 2))

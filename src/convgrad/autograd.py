@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from convgrad._ops import bias_grad
 from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.backends.auto import forward as auto_forward
 from convgrad.backends.native import forward as native_forward
 from convgrad.functional import _check_tensor, _check_tensors, _check_untraced
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
+from convgrad.tensor_ops import bias_grad
 
 __all__ = [
     "ConvFunction",

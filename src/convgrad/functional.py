@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from convgrad._ops import bias_grad
 from convgrad.backends import Backend, backend_names, get_backend, traceable_names
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask, ntuple
+from convgrad.tensor_ops import bias_grad
 
 __all__ = [
     "conv1d_input",

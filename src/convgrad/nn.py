@@ -23,10 +23,10 @@ import torch
 import torch.nn.utils.parametrize as parametrize
 from torch import Tensor
 
-from convgrad._ops import pad
 from convgrad.autograd import SCRIPT_UNSUPPORTED, _apply, shape_of
 from convgrad.backends import get_backend
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import pad
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "patch", "unpatch"]
 

@@ -61,12 +61,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from convgrad._ops import plain
 from convgrad.backends import Backend, auto_cache, auto_tuning, backend_names, get_backend, register
 from convgrad.backends.auto_cache import _DRIFT, _DRIFT_CALLS, _MAX_RETUNES, Store, cache_path, device_name  # noqa: F401
 from convgrad.backends.auto_tuning import PREFER_NATIVE, SPLIT_MARGIN, Choice, Result
 from convgrad.backends.auto_tuning import tune as _tune
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import plain
 
 __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]

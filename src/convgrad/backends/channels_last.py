@@ -24,20 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad._ops import plain
 from convgrad.backends import FusedBackend, get_backend, register
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import CHANNELS_LAST, ONEDNN_DTYPES, is_channels_last, plain
 
 __all__ = ["ChannelsLastBackend", "LayoutPlan", "execute", "plan"]
 
-_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def is_channels_last(t: torch.Tensor) -> bool:
-    """Whether t is laid out channels-last (NHWC / NDHWC) and not also plainly contiguous."""
-    fmt = _FORMATS.get(t.dim())
-    return fmt is not None and not t.is_contiguous() and t.is_contiguous(memory_format=fmt)
 
 
 @dataclass(frozen=True)
@@ -56,7 +48,7 @@ class ToChannelsLast:
     """Copy an operand into channels-last memory (no copy when it is already)."""
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous(memory_format=_FORMATS[t.dim()])
+        return t.contiguous(memory_format=CHANNELS_LAST[t.dim()])
 
     def describe(self) -> str:
         return "copy input, weight and grad_output into channels-last memory (NHWC / NDHWC)"
@@ -85,7 +77,7 @@ class RestoreLayout:
     def __call__(self, t: torch.Tensor, channels_last: bool) -> torch.Tensor:
         if self.unit_dim:
             t = t.squeeze(2)  # (N, C, L)
-        fmt = _FORMATS.get(t.dim()) if channels_last else None
+        fmt = CHANNELS_LAST.get(t.dim()) if channels_last else None
         return t.contiguous(memory_format=fmt or torch.contiguous_format)
 
     def describe(self) -> str:
@@ -132,7 +124,7 @@ def execute(p: LayoutPlan, grad_output: torch.Tensor, input: torch.Tensor | None
     """Run a plan: both gradients (None where not needed), in torch's layout for these operands.
 
     Under functorch transforms (vmap, grad, ...) and while torch.compile traces, operands are not plain
-    (``_ops.plain``): memory formats cannot be queried or chosen inside vmap, so native runs as it is.
+    (``tensor_ops.plain``): memory formats cannot be queried or chosen inside vmap, so native runs as it is.
     """
     if not all(plain(t) for t in (grad_output, input, weight) if t is not None):
         return get_backend("native").backward(p.spec, grad_output, input, weight, need_input, need_weight)
@@ -170,7 +162,7 @@ class ChannelsLastBackend(FusedBackend):
     def can_serve(spec: ConvSpec, like: torch.Tensor) -> bool:
         """Whether this backend can differ from native here: a CPU oneDNN dtype, grouped, operands not channels-last
         already (then native is the same call). A cheap rule for pruning candidates; auto still times it."""
-        return (like.device.type == "cpu" and like.dtype in _ONEDNN_DTYPES and spec.groups > 1
+        return (like.device.type == "cpu" and like.dtype in ONEDNN_DTYPES and spec.groups > 1
                 and not is_channels_last(like))
 
     def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad._ops import batched_like, pad, sliced
 from convgrad.backends import Backend, register
 from convgrad.spec import ConvSpec, FftDim
+from convgrad.tensor_ops import batched_like, crop, pad, sliced
 
 __all__ = ["BOUND_UNITS", "MIN_TAPS", "FftBackend", "FftPlan", "FftStep", "estimate_flops", "execute",
            "normwise_bound", "plan", "worth_trying"]
@@ -190,7 +190,7 @@ def _from_phases(t: torch.Tensor, dims: tuple[FftDim, ...], stride: Shape, chann
                 t = t.index_select(2 + j, torch.tensor(slot, device=t.device))  # (n, C, .., s_j, .., *U)
         order = [v for j in range(nd) for v in (2 + nd + j, 2 + j)]
         t = t.permute(0, 1, *order).reshape(n, channels, *(d.rows * s for d, s in zip(dims, stride)))
-    return pad(t, [(-lo, -hi) for lo, hi in (d.pads for d in dims)])  # (n, C, *i)
+    return crop(t, [d.pads for d in dims])  # (n, C, *i)
 
 
 def _place_taps(w: torch.Tensor, dims: tuple[FftDim, ...]) -> torch.Tensor:

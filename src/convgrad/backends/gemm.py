@@ -47,10 +47,10 @@ import itertools
 
 import torch
 
-from convgrad._ops import add_product_, batched_like, pad, plain, sliced
 from convgrad.backends import FusedBackend, register
 from convgrad.spec import ConvSpec
 from convgrad.spec.chunks import CHUNK_BYTES, equal_chunk
+from convgrad.tensor_ops import add_product_, batched_like, crop, pad, plain, sliced, windows
 
 __all__ = ["CHUNK_TARGET_BYTES", "DEFAULT_MAX_WORKSPACE_BYTES", "GemmBackend", "chunking"]
 
@@ -97,10 +97,7 @@ def chunking(spec: ConvSpec, itemsize: int, max_workspace_bytes: int) -> tuple[i
 def _windows(spec: ConvSpec, x: torch.Tensor) -> torch.Tensor:
     """The dilated windows of x (Nc, C_x, *i) as a view (g, C_x/g, *k, Nc, *o); no copy yet."""
     n, g = spec.n, spec.groups
-    xr = pad(x, spec.x_read_pads)  # (Nc, C_x, *x_read_size)
-    for j, (extent, s) in enumerate(zip(spec.kernel_extent, spec.stride)):
-        xr = xr.unfold(2 + j, extent, s)  # the window of dim j is appended last
-    xr = sliced(xr, [slice(None, None, d) for d in spec.dilation])  # (Nc, C_x, *o, *k)
+    xr = windows(pad(x, spec.x_read_pads), spec.kernel_size, spec.stride, spec.dilation)  # (Nc, C_x, *o, *k)
     xr = xr.view(xr.shape[0], g, spec.x_channels // g, *xr.shape[2:])  # (Nc, g, C_x/g, *o, *k)
     return xr.permute(1, 2, *range(3 + n, 3 + 2 * n), 0, *range(3, 3 + n))  # (g, C_x/g, *k, Nc, *o)
 
@@ -136,7 +133,7 @@ def _fold_outer(spec: ConvSpec, xr: torch.Tensor, wcols: torch.Tensor, ymat: tor
 def _x_tensor(spec: ConvSpec, xr: torch.Tensor) -> torch.Tensor:
     """(g, C_x/g, Nc, *x_read_size) -> x (Nc, C_x, *i): crop the padding, zero the rows no output read."""
     xr = xr.reshape(-1, *xr.shape[2:]).transpose(0, 1)  # (Nc, C_x, *x_read_size)
-    return pad(xr, [(-lo, -hi) for lo, hi in spec.x_read_pads])  # (Nc, C_x, *i)
+    return crop(xr, spec.x_read_pads)  # (Nc, C_x, *i)
 
 
 def _y_matrix(spec: ConvSpec, y: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from convgrad._ops import placeholder
 from convgrad.spec import ConvSpec, padded_sizes
+from convgrad.tensor_ops import CHANNELS_LAST, placeholder
 
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 _select = getattr(torch._C, "_select_conv_backend", None)  # private; absent: the meta rule
 _determine = getattr(torch._C, "_conv_determine_backend_memory_format", None)
 _EMPTY = {getattr(getattr(torch._C, "_ConvBackend", None), name, None) for name in ("Empty", "MkldnnEmpty")}
@@ -55,7 +54,7 @@ def _suggested(t: torch.Tensor | None) -> torch.memory_format:
         if sizes[d] == 0 or strides[d] < least or (d == 0 and least == strides[1]):
             return torch.contiguous_format
         least = strides[d] * max(sizes[d], 1)
-    return _CHANNELS_LAST[t.dim()]
+    return CHANNELS_LAST[t.dim()]
 
 
 def _seen_input(spec: ConvSpec, input: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from convgrad._ops import pad, placeholder
 from convgrad.backends import FusedBackend, register
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import crop, pad, placeholder
 
 
 def _complex_bilinear(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: torch.Tensor,
@@ -43,7 +43,7 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
         input = pad(input, excess)
     out = torch.ops.aten.convolution(input, weight, bias, *spec.aten_args)
     if spec.transposed:
-        out = pad(out, [(-lo, -hi) for lo, hi in excess])  # crop what aten's symmetric padding left
+        out = crop(out, excess)  # crop what aten's symmetric padding left
     return out
 
 
@@ -100,5 +100,5 @@ class NativeBackend(FusedBackend):
             input = pad(input, excess)
         gi, gw, _ = _convolution_backward(grad_output, input, weight, spec, [need_input, need_weight, False])
         if gi is not None and not spec.transposed:
-            gi = pad(gi, [(-lo, -hi) for lo, hi in excess])
+            gi = crop(gi, excess)
         return (gi if need_input else None), (gw if need_weight else None)

@@ -27,13 +27,13 @@ import torch
 
 from convgrad.backends import FusedBackend, get_backend, register
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import ONEDNN_DTYPES
 
 __all__ = ["MAX_MERGE", "VECTOR_CHANNELS", "BlockDiagonal", "DiagonalBlocks", "RegroupBackend", "RegroupPlan",
            "execute", "merge_factor", "plan"]
 
 VECTOR_CHANNELS = 16  # channels per group that oneDNN's direct kernels block by (AVX-512, float32)
 MAX_MERGE = 4  # merging m groups costs m times the multiply-adds
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def merge_factor(spec: ConvSpec) -> int:
@@ -146,7 +146,7 @@ class RegroupBackend(FusedBackend):
     def can_serve(spec: ConvSpec, like: torch.Tensor) -> bool:
         """Whether this backend can differ from native here: a CPU oneDNN dtype and groups of fewer than 16
         channels that merging at most MAX_MERGE of them brings to 16. A cheap rule; auto still times it."""
-        return like.device.type == "cpu" and like.dtype in _ONEDNN_DTYPES and merge_factor(spec) > 1
+        return like.device.type == "cpu" and like.dtype in ONEDNN_DTYPES and merge_factor(spec) > 1
 
     def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
                  weight: torch.Tensor | None, need_input: bool, need_weight: bool

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from convgrad.backends.fwdconv.plan import commas, flat
+from convgrad.backends.fwdconv.plan import commas
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import pad_flat
 
 Shape = tuple[int, ...]
 
@@ -59,13 +60,13 @@ def _reference_lines(spec: ConvSpec) -> list[str]:
     """torch's own conv for the spec, with explicit padding or cropping where torch has no argument for it."""
     n = spec.n
     if not spec.transposed:
-        return [f"x_pad = F.pad(x, {flat(spec.padding)})  # padding (lo, hi) = {spec.padding}",
+        return [f"x_pad = F.pad(x, {pad_flat(spec.padding)})  # padding (lo, hi) = {spec.padding}",
                 f"y = F.conv{n}d(x_pad, w, b, stride={spec.stride}, padding=0, dilation={spec.dilation}, "
                 f"groups={spec.groups})"]
     crop = tuple((-lo, -hi) for lo, hi in spec.padding_excess)
     return [f"y = F.conv_transpose{n}d(x, w, b, stride={spec.stride}, padding={spec.symmetric_padding}, "
             f"output_padding={spec.output_padding}, groups={spec.groups}, dilation={spec.dilation})",
-            f"y = F.pad(y, {flat(crop)})  # asymmetric padding {spec.padding}: crop the excess"]
+            f"y = F.pad(y, {pad_flat(crop)})  # asymmetric padding {spec.padding}: crop the excess"]
 
 
 def _indent(lines: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
+from convgrad.tensor_ops import CHANNELS_LAST, is_channels_last
 
 __all__ = ["NativeChoice", "native_backend"]
 
@@ -140,10 +141,8 @@ class NativeChoice:
 def _probe(shape: Sequence[int], like: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised tensor of the shape, in the memory format of `like`, that asks for a gradient."""
     fmt = torch.contiguous_format
-    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape))
-    if (like is not None and channels_last is not None and like.dim() == len(shape) and not like.is_contiguous()
-            and like.is_contiguous(memory_format=channels_last)):
-        fmt = channels_last
+    if like is not None and like.dim() == len(shape) and is_channels_last(like):
+        fmt = CHANNELS_LAST[len(shape)]
     return torch.empty(tuple(shape), dtype=dtype, device=device, memory_format=fmt).requires_grad_()
 
 

@@ -41,10 +41,10 @@ from collections.abc import Iterator
 
 import torch
 
-from convgrad._ops import pad, plain, sliced
 from convgrad.backends import get_backend
 from convgrad.backends.fwdconv import BatchFold, Conv, Step, pad_or_fold
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import pad, plain, windows
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -134,7 +134,7 @@ def scratch(shape: tuple[int, ...], like: torch.Tensor, slot: str = "columns") -
     im2col copy of its second conv (9 MiB) took 28 ms in a training step against 0.9 ms into reused memory
     (torch.profiler, 2 busy shared cores). A buffer stays alive between calls (the chunks of one layer:
     ``one_layer`` releases it after); chunks bound it (``layer_chunks``, unless one sample alone is
-    bigger). Plain tensors only (see ``convgrad._ops.plain``): a transform's wrapper or autograd would see the buffer
+    bigger). Plain tensors only (see ``tensor_ops.plain``): a transform's wrapper or autograd would see the buffer
     reused. One buffer per ``slot``.
     """
     numel = math.prod(shape)
@@ -187,9 +187,7 @@ def im2col(spec: ConvSpec, x: torch.Tensor, reuse: bool = False) -> torch.Tensor
     """
     n, g = x.shape[0], spec.groups
     x = pad(x, spec.x_read_pads)  # (n, C_x, *x_read_size): exactly the rows the conv reads
-    for j, (span, s) in enumerate(zip(spec.kernel_extent, spec.stride)):
-        x = x.unfold(2 + j, span, s)  # (n, C_x, *o, *span) after the last dim
-    x = sliced(x, [slice(None, None, d) for d in spec.dilation])  # (n, C_x, *o, *k)
+    x = windows(x, spec.kernel_size, spec.stride, spec.dilation)  # (n, C_x, *o, *k)
     nd = spec.n
     x = x.permute(0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd))  # (n, C_x, *k, *o)
     if reuse or _writable(x):

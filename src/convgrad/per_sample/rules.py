@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from convgrad._ops import pad
 from convgrad.functional import conv_bias_grad, conv_transpose_weight_grad, conv_weight_grad
 from convgrad.per_sample import methods, tuning
 from convgrad.per_sample.functional import per_sample_bias_grad
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import pad
 
 __all__ = ["RULES", "SAMPLE_MIXING", "ConvLayer", "Layer", "mixes_samples", "rule_for"]
 

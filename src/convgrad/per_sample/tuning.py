@@ -28,12 +28,12 @@ from collections.abc import Callable
 
 import torch
 
-from convgrad._ops import plain
 from convgrad.backends import auto, auto_tuning, get_backend
 from convgrad.backends.auto_cache import Store, device_name
 from convgrad.backends.auto_tuning import Choice
 from convgrad.per_sample import methods
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import plain
 
 __all__ = ["PURPOSES", "chosen", "estimates", "method_for", "options"]
 

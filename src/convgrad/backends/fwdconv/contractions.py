@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad._ops import CONV, add_product_, pad, plain, sliced
 from convgrad.backends.fwdconv import geometry as geo
 from convgrad.backends.fwdconv.plan import Contraction, commas, pad_code, slices
-from convgrad.backends.fwdconv.steps import channels_last, new_like
+from convgrad.backends.fwdconv.steps import new_like
 from convgrad.spec import Pair
 from convgrad.spec.chunks import PHASE_CHUNK_BYTES
+from convgrad.tensor_ops import CONV, add_product_, channels_innermost, pad, plain, sliced
 
 Shape = tuple[int, ...]
 
@@ -88,7 +88,7 @@ class MatMul:
         k = kernel.reshape(g, o // g, i)  # (g, O/g, I)
         if i == 1 and o == g:  # depthwise: a matmul of 1x1 matrices per channel is a per-channel scale
             return data * kernel.reshape(1, g, *(1,) * len(spatial))  # (B, C, *S), in data's memory format
-        if channels_last(data) and g == 1:
+        if channels_innermost(data) and g == 1:
             out = data.movedim(1, -1).reshape(b * math.prod(spatial), i) @ k[0].t()  # (B*S, O)
             return out.reshape(b, *spatial, o).movedim(-1, 1)  # (B, O, *S), channels last
         out = torch.matmul(k, data.reshape(b, g, i, math.prod(spatial)))  # (B, g, O/g, S)
@@ -160,7 +160,7 @@ class DepthwiseTaps:
         """Per tap, a tap that fills every row first: (tap, rows of the result, rows of y), None where all rows.
 
         Indexing with whole-dim slices only would return an alias, which the legacy vmap of is_grads_batched
-        cannot batch (``_ops.sliced``); None skips it."""
+        cannot batch (``tensor_ops.sliced``); None skips it."""
         def index(ranges: list[tuple[int, int]], sizes: Shape) -> tuple[slice, ...] | None:
             if all(a == 0 and b == n for (a, b), n in zip(ranges, sizes, strict=True)):
                 return None

@@ -21,7 +21,6 @@ from functools import lru_cache
 
 import torch
 
-from convgrad._ops import pad, sliced
 from convgrad.backends.fwdconv import geometry as geo
 from convgrad.backends.fwdconv.contractions import (
     Conv,
@@ -32,9 +31,10 @@ from convgrad.backends.fwdconv.contractions import (
     TakeTaps,
     phase_rows,
 )
-from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, flat, slices
+from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, slices
 from convgrad.backends.fwdconv.steps import Flip, Pad, Subsample, SwapGroupChannels, ZeroInsert, new_like, pad_or_fold
 from convgrad.spec import ConvSpec, Pair, PhaseTaps, output_rows, pad_split, padded_sizes, tap_rows
+from convgrad.tensor_ops import pad, pad_flat, sliced
 
 Shape = tuple[int, ...]
 
@@ -278,7 +278,7 @@ class SubpixelKernel:
                 continue
             sl = slices(*zip(*((t.first, t.step, t.count) for t in taps)))  # type: ignore[union-attr]
             shifts = tuple((off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps))  # type: ignore[union-attr]
-            lines.append(f"subs.append(F.pad({v}_w[..., {sl}], {flat(shifts)}))  # phase {combo}")
+            lines.append(f"subs.append(F.pad({v}_w[..., {sl}], {pad_flat(shifts)}))  # phase {combo}")
         return [*lines, f"{v} = torch.stack(subs, 1).reshape({commas(self.shape)})  # every phase's taps: {self.shape}"]
 
 

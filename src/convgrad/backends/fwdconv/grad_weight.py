@@ -20,7 +20,6 @@ from functools import lru_cache
 
 import torch
 
-from convgrad._ops import batched_like, sliced
 from convgrad.backends.fwdconv import geometry as geo
 from convgrad.backends.fwdconv.contractions import Conv, MatMul
 from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, pad_code
@@ -33,10 +32,10 @@ from convgrad.backends.fwdconv.steps import (
     SumSamples,
     SwapBatchChannels,
     TapsToKernel,
-    channels_last,
     pad_or_fold,
 )
 from convgrad.spec import ConvSpec, Pair, output_rows, pad_split, padded_sizes
+from convgrad.tensor_ops import ONEDNN_DTYPES, batched_like, channels_innermost, sliced
 
 Shape = tuple[int, ...]
 
@@ -105,7 +104,6 @@ PER_SAMPLE_MAX_BATCH = 2
 # batch ourselves (float64, 1 thread: ResNet 3x3 at 56 2.5x -> 1.05x native, DCGAN 3.4x -> 2.1x). Grouped convs
 # too (float64, 2 threads): MobileNetV2 depthwise 3x3 per_sample 3.55x -> taps 2.43x, depthwise 3x3/2 2.27x ->
 # 2.03x, ResNeXt g32 kernel 3.02x -> 2.25x.
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 TAPS_MAX_ELEMENTS = 2**25  # the folded windows, N*C_x*T*P; beyond this the "kernel" plan needs far less memory
 
 
@@ -154,7 +152,7 @@ class StrideToDepth:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n, c, *size = t.shape
         g, u, nd = self.groups, self.shape[2:], len(size)
-        if channels_last(t):  # the result channels last too: (C_x/g, *s, *U, N, g) in memory
+        if channels_innermost(t):  # the result channels last too: (C_x/g, *s, *U, N, g) in memory
             out = t.new_zeros((c // g, *self.stride, *u, n, g)).movedim((-2, -1), (1 + nd, 2 + nd))
         else:
             out = t.new_zeros((c // g, *self.stride, n, g, *u))

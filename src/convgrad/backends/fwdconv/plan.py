@@ -19,8 +19,9 @@ import torch
 
 from convgrad.backends.fwdconv import geometry as geo
 from convgrad.spec import ConvSpec, Pair
+from convgrad.tensor_ops import pad_flat
 
-__all__ = ["Contraction", "Plan", "Spatially", "Step", "commas", "execute", "flat", "pad_code", "slices"]
+__all__ = ["Contraction", "Plan", "Spatially", "Step", "commas", "execute", "pad_code", "slices"]
 
 Shape = tuple[int, ...]
 
@@ -121,26 +122,21 @@ def commas(values: object) -> str:
     return ", ".join(str(v) for v in values)  # type: ignore[attr-defined]
 
 
-def flat(pairs: tuple[Pair, ...]) -> list[int]:
-    """(lo, hi) per trailing dim -> F.pad's flat list, last dim first."""
-    return [v for lo, hi in reversed(pairs) for v in (lo, hi)]
-
-
 def slices(first: Shape, step: Shape, count: Shape) -> str:
     """``first:stop:step`` per dim, taking ``count`` entries."""
     return ", ".join(f"{f}:{f + s * (c - 1) + 1}:{s}" for f, s, c in zip(first, step, count, strict=True))
 
 
 def pad_code(out: str, src: str, pads: tuple[Pair, ...], note: str) -> list[str]:
-    """The script lines of ``_ops.pad``: F.pad, but a crop (negative amount) after the pads, as a slice.
+    """The script lines of ``tensor_ops.pad``: F.pad, but a crop (negative amount) after the pads, as a slice.
 
     F.pad crops before it pads, so a crop that only the other side's padding makes room for fails there
     ("narrow(): length must be non-negative"); a slice past the end is merely empty, as the crop is.
     """
-    amounts = flat(pads)
+    amounts = pad_flat(pads)
     if all(v >= 0 for v in amounts):
         return [f"{out} = F.pad({src}, {amounts})  # pads {tuple(pads)}: {note}"]
     grow = tuple((max(lo, 0), max(hi, 0)) for lo, hi in pads)
-    lines = [f"{out} = F.pad({src}, {flat(grow)})  # pads {grow}, then the crops"] if any(map(any, grow)) else []
+    lines = [f"{out} = F.pad({src}, {pad_flat(grow)})  # pads {grow}, then the crops"] if any(map(any, grow)) else []
     crop = ", ".join(f"{max(-lo, 0) or ''}:{hi if hi < 0 else ''}" for lo, hi in pads)
     return [*lines, f"{out} = {out if lines else src}[..., {crop}]  # crops {tuple(pads)}: {note}"]

@@ -19,27 +19,22 @@ from typing import Literal
 
 import torch
 
-from convgrad._ops import batched_like, pad, sliced
 from convgrad.backends.fwdconv import geometry as geo
-from convgrad.backends.fwdconv.plan import Spatially, Step, commas, flat, pad_code
+from convgrad.backends.fwdconv.plan import Spatially, Step, commas, pad_code
 from convgrad.spec import Pair
+from convgrad.tensor_ops import batched_like, channels_innermost, pad, pad_flat, windows
 
 Shape = tuple[int, ...]
 
 __all__ = ["BatchFold", "Flip", "FoldTaps", "Pad", "SamplesIntoChannels", "SpaceToDepth", "Subsample", "SumSamples",
-           "SwapBatchChannels", "SwapGroupChannels", "TapsToKernel", "ZeroInsert", "channels_last", "new_like",
+           "SwapBatchChannels", "SwapGroupChannels", "TapsToKernel", "ZeroInsert", "new_like",
            "pad_or_fold"]
-
-
-def channels_last(t: torch.Tensor) -> bool:
-    """True when the channels are the innermost dim in memory (NHWC-like), whatever the rank."""
-    return t.dim() >= 3 and t.shape[1] > 1 and t.stride(1) == 1 and not t.is_contiguous()
 
 
 def new_like(data: torch.Tensor, shape: Shape, kernel: torch.Tensor | None = None) -> torch.Tensor:
     """An uninitialised tensor of this shape in data's memory format (channels last stays channels last), batched
-    like ``kernel`` too under functorch transforms (``_ops.batched_like``)."""
-    if channels_last(data):
+    like ``kernel`` too under functorch transforms (``tensor_ops.batched_like``)."""
+    if channels_innermost(data):
         return batched_like(data.new_empty((shape[0], *shape[2:], shape[1])).movedim(-1, 1), kernel)
     return batched_like(data.new_empty(shape), kernel)
 
@@ -72,10 +67,10 @@ class ZeroInsert:
         between = tuple(p for s in self.stride for p in ((0, 0), (0, s - 1)))
         return [
             f"{v} = {v}.reshape({commas((n_, c, *spread))})  # (N, C, o1, 1, o2, 1, ...)",
-            f"{v} = F.pad({v}, {flat(between)})  # (N, C, o1, s1, ...): s-1 zeros after every entry",
+            f"{v} = F.pad({v}, {pad_flat(between)})  # (N, C, o1, s1, ...): s-1 zeros after every entry",
             f"{v} = {v}.reshape({commas((n_, c, *(oj * s for oj, s in zip(o, self.stride, strict=True))))})"
             f"  # (N, C, o1*s1, ...)",
-            f"{v} = F.pad({v}, {flat(tuple((0, 1 - s) for s in self.stride))})  # drop the zeros after the last "
+            f"{v} = F.pad({v}, {pad_flat(tuple((0, 1 - s) for s in self.stride))})  # drop the zeros after the last "
             f"entry: {self.shape}",
         ]
 
@@ -300,9 +295,7 @@ class FoldTaps:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, c_x = x.shape[:2]
         nd, g = len(self.kernel_size), self.groups
-        for j, (k, s, d) in enumerate(zip(self.kernel_size, self.stride, self.dilation)):
-            x = x.unfold(2 + j, d * (k - 1) + 1, s)  # (N, C_x, *o, *window) after every dim
-        x = sliced(x, [slice(None, None, d) for d in self.dilation])  # (N, C_x, *o, *k)
+        x = windows(x, self.kernel_size, self.stride, self.dilation)  # (N, C_x, *o, *k)
         x = x.reshape(n, g, c_x // g, *x.shape[2:])  # (N, g, C_x/g, *o, *k)
         taps, outs = range(3 + nd, 3 + 2 * nd), range(3, 3 + nd)
         return x.permute(2, *taps, 1, 0, *outs).reshape(self.shape)  # (C_x/g*T, g*N, *o)

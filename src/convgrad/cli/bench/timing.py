@@ -33,6 +33,7 @@ from torch.utils import benchmark
 
 from convgrad.backends import get_backend, native
 from convgrad.cli.bench.layers import Layer
+from convgrad.tensor_ops import CHANNELS_LAST
 
 __all__ = ["FORWARD", "TASKS", "LayerTiming", "Sample", "time_layer"]
 
@@ -121,7 +122,7 @@ def _tensors(layer: Layer, dtype: torch.dtype, device: torch.device, channels_la
     def rand(shape: tuple[int, ...]) -> torch.Tensor:
         t = torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
         if channels_last and t.dim() in (4, 5):
-            t = t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+            t = t.contiguous(memory_format=CHANNELS_LAST[t.dim()])
         return t
 
     return {"spec": spec, "input": rand(spec.input_shape), "weight": rand(spec.weight_shape),

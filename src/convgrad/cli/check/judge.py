@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from convgrad.spec import ConvSpec
+from convgrad.tensor_ops import pad_flat
 
 __all__ = ["BOUND_UNITS", "DTYPES", "GRADIENTS", "Result", "check_gradients", "compare", "error_bound",
            "reference_grads", "unit_roundoff"]
@@ -87,7 +88,7 @@ def reference_grads(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, g
         full = _F_CONV_T[spec.n](x, w, b, spec.stride, 0, spec.output_padding, spec.groups, spec.dilation)
         y = full[(..., *(slice(lo, full.shape[2 + j] - hi) for j, (lo, hi) in enumerate(spec.padding)))]
     else:  # F.pad takes the last dim first
-        padded = F.pad(x, [v for lo, hi in reversed(spec.padding) for v in (lo, hi)])
+        padded = F.pad(x, pad_flat(spec.padding))
         y = _F_CONV[spec.n](padded, w, b, spec.stride, 0, spec.dilation, spec.groups)
     return dict(zip(GRADIENTS, torch.autograd.grad(y, [x, w, b], grad_output)))
 
