@@ -207,6 +207,10 @@ def test_auto_choice_follows_the_stated_cost_model(case: Case) -> None:
     (dict(grad_output=torch.randn(2, 3, 4, 4, dtype=DT)), ValueError, "grad_output.shape"),
     (dict(grad_output=torch.randn(2, 3, 3, 3)), TypeError, "dtype"),
     (dict(input=torch.randint(0, 3, (2, 2, 5, 5))), TypeError, "dtype"),
+    # the validation path shared with conv_backward (convgrad.checks): the same message for the same mistake
+    (dict(input=None), TypeError, "per_sample_weight_grad: input is None, but a tensor is required"),
+    (dict(weight_size="abc"), TypeError, "per_sample_weight_grad: weight_size='abc' must be a sequence of ints"),
+    (dict(weight_size=(3, 2, -3, 3)), ValueError, r"weight_size=\(3, 2, -3, 3\) must be >= 0"),
 ])
 def test_per_sample_weight_grad_refuses_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     args = dict(input=torch.randn(2, 2, 5, 5, dtype=DT), weight_size=(3, 2, 3, 3),

@@ -20,7 +20,7 @@ import torch
 from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.backends.auto import forward as auto_forward
 from convgrad.backends.native import forward as native_forward
-from convgrad.functional import _check_tensor, _check_tensors, _check_untraced
+from convgrad.checks import check_tensor, check_tensors, check_untraced
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 from convgrad.tensor_ops import bias_grad
 
@@ -232,7 +232,7 @@ def _unexpand(fn: str, input: Any, weight: Any, bias: Any) -> tuple[Any, Any, _E
 
 def _check_differentiation(fn: str, backend: Backend, **tensors: torch.Tensor) -> None:
     """In the backward of a backend autograd cannot see through: no transform, no second derivative."""
-    _check_untraced(fn, backend, tensors, returns_gradients=False)
+    check_untraced(fn, backend, tensors, returns_gradients=False)
     if torch.is_grad_enabled():
         raise ValueError(f"{fn}: backend={backend.name!r} is not differentiable; a second derivative "
                          f"(create_graph=True) needs one of {traceable_names()}")
@@ -287,10 +287,10 @@ def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     weight, bias, expanded = _unexpand(fn, input, weight, bias)
     tensors = {"input": input, "weight": weight} | ({} if bias is None else {"bias": bias})
     for name, t in tensors.items():  # before autocast: an error names the dtype the user passed
-        b.check_operand(fn, name, _check_tensor(fn, name, t))
+        b.check_operand(fn, name, check_tensor(fn, name, t))
     tensors = _autocast(fn, b, tensors)  # then the rest: autocast mixes float32 and bfloat16 operands
     input, weight, bias = tensors["input"], tensors["weight"], tensors.get("bias")
-    _check_tensors(fn, b, results_in_graph=True, **tensors)
+    check_tensors(fn, b, results_in_graph=True, **tensors)
     compiling = torch.compiler.is_compiling()
     transformed = compiling and torch._C._are_functorch_transforms_active()
     if transformed and _weight_gradients_disabled:

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from convgrad.backends import Backend, backend_names, get_backend, traceable_names
-from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask, ntuple
+from convgrad.backends import Backend, backend_names, get_backend
+from convgrad.checks import check_grad_output, check_size, check_tensor, check_tensors
+from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask
 from convgrad.tensor_ops import bias_grad
 
 __all__ = [
@@ -38,71 +39,6 @@ Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 # Register every built-in backend now, at import, not on the first lookup: torch.compile traces that lookup, and
 # Dynamo cannot trace the imports it would run (a fresh process's first compiled conv failed on __import__).
 backend_names()
-
-
-def _check_tensor(fn: str, name: str, t: Any) -> torch.Tensor:
-    if t is None:
-        raise TypeError(f"{fn}: {name} is None, but a tensor is required")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not (t.is_floating_point() or t.is_complex()):
-        raise TypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a floating point (or complex) dtype")
-    return t
-
-
-def _check_tensors(fn: str, backend: Backend, *, results_in_graph: bool = False, **tensors: Any) -> None:
-    """Type, dtype and device checks shared by every entry point, and what the backend accepts.
-
-    ``results_in_graph``: the gradients reach the user through autograd (the backward of
-    ``conv``), not as the return value of a function of this module.
-    """
-    checked = {name: _check_tensor(fn, name, t) for name, t in tensors.items()}
-    (first, ref), *rest = checked.items()
-    for name, t in rest:
-        if t.dtype != ref.dtype:
-            raise TypeError(f"{fn}: {name}.dtype={t.dtype} does not match {first}.dtype={ref.dtype}")
-        if t.device != ref.device:
-            raise ValueError(f"{fn}: {name}.device={t.device} does not match {first}.device={ref.device}")
-    backend.check_operand(fn, first, ref)
-    if not backend.differentiable:
-        _check_untraced(fn, backend, checked, returns_gradients=not results_in_graph)
-
-
-def _transformed(t: torch.Tensor) -> bool:
-    """t belongs to a torch.func transform (grad, vjp, jacrev, vmap, ...) or to is_grads_batched's vmap."""
-    if torch.compiler.is_compiling():  # dynamo cannot trace the functorch queries; it runs no transform here
-        return False
-    functorch = torch._C._functorch
-    return functorch.is_functorch_wrapped_tensor(t) or functorch.is_legacy_batchedtensor(t)
-
-
-def _check_untraced(fn: str, backend: Backend, tensors: dict[str, torch.Tensor], returns_gradients: bool) -> None:
-    """For a backend autograd cannot see through: refuse torch.func transforms, and (``returns_gradients``)
-    tensors that require grad, whose gradients would come back silently detached from the graph."""
-    for name, t in tensors.items():
-        if _transformed(t):
-            raise ValueError(f"{fn}: backend={backend.name!r} does not support torch.func transforms (grad, vjp, "
-                             f"jacrev, vmap, ...) nor is_grads_batched, but {name} comes from one; use one of "
-                             f"{traceable_names()}")
-    tracked = [name for name, t in tensors.items() if t.requires_grad]
-    if returns_gradients and tracked and torch.is_grad_enabled():
-        raise ValueError(f"{fn}: backend={backend.name!r} computes outside autograd, but "
-                         f"{tracked[0]}.requires_grad=True: the gradients would come back silently detached from "
-                         f"the graph; pass detached tensors, call it under torch.no_grad(), or use one of "
-                         f"{traceable_names()}")
-
-
-def _check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:
-    if isinstance(size, torch.Tensor) or not isinstance(size, Sequence) or isinstance(size, str):
-        raise TypeError(f"{fn}: {name}={size!r} must be a sequence of ints such as torch.Size")
-    return ntuple(fn, name, tuple(size), len(size), 0)  # errors name `name`, not the spec's "input.shape"
-
-
-def _check_grad_output(fn: str, spec: ConvSpec, grad_output: torch.Tensor) -> None:
-    expected = spec.output_shape[1:] if spec.unbatched else spec.output_shape
-    if tuple(grad_output.shape) != expected:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
-                         f"{expected} of {spec.describe()}")
 
 
 def _run(spec: ConvSpec, backend: Backend, grad_output: torch.Tensor, input: torch.Tensor | None,
@@ -172,10 +108,10 @@ def conv_backward(
     """
     fn = "conv_backward"
     b = get_backend(backend, fn)
-    _check_tensors(fn, b, grad_output=grad_output, input=input, weight=weight)
+    check_tensors(fn, b, grad_output=grad_output, input=input, weight=weight)
     spec = ConvSpec.from_shapes(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding,
                                 groups, fn=fn)
-    _check_grad_output(fn, spec, grad_output)
+    check_grad_output(fn, spec, grad_output)
     check_bias_sizes(fn, bias_sizes, spec.out_channels)
     mask = check_output_mask(fn, output_mask)
     return _run(spec, b, grad_output, input, weight, mask)
@@ -211,10 +147,10 @@ def conv_input_grad(input_size: Sequence[int], weight: torch.Tensor, grad_output
     """
     fn = "conv_input_grad"
     b = get_backend(backend, fn)
-    _check_tensors(fn, b, weight=weight, grad_output=grad_output)
-    spec = ConvSpec.from_shapes(_check_size(fn, "input_size", input_size), weight.shape, stride, padding, dilation,
+    check_tensors(fn, b, weight=weight, grad_output=grad_output)
+    spec = ConvSpec.from_shapes(check_size(fn, "input_size", input_size), weight.shape, stride, padding, dilation,
                                 False, 0, groups, fn=fn)
-    _check_grad_output(fn, spec, grad_output)
+    check_grad_output(fn, spec, grad_output)
     return _run(spec, b, grad_output, None, weight, (True, False, False))[0]  # type: ignore[return-value]
 
 
@@ -248,10 +184,10 @@ def conv_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad_outpu
     """
     fn = "conv_weight_grad"
     b = get_backend(backend, fn)
-    _check_tensors(fn, b, input=input, grad_output=grad_output)
-    spec = ConvSpec.from_shapes(input.shape, _check_size(fn, "weight_size", weight_size), stride, padding, dilation,
+    check_tensors(fn, b, input=input, grad_output=grad_output)
+    spec = ConvSpec.from_shapes(input.shape, check_size(fn, "weight_size", weight_size), stride, padding, dilation,
                                 False, 0, groups, fn=fn)
-    _check_grad_output(fn, spec, grad_output)
+    check_grad_output(fn, spec, grad_output)
     return _run(spec, b, grad_output, input, None, (False, True, False))[1]  # type: ignore[return-value]
 
 
@@ -284,10 +220,10 @@ def conv_transpose_input_grad(input_size: Sequence[int], weight: torch.Tensor, g
     """
     fn = "conv_transpose_input_grad"
     b = get_backend(backend, fn)
-    _check_tensors(fn, b, weight=weight, grad_output=grad_output)
-    spec = ConvSpec.from_shapes(_check_size(fn, "input_size", input_size), weight.shape, stride, padding, dilation,
+    check_tensors(fn, b, weight=weight, grad_output=grad_output)
+    spec = ConvSpec.from_shapes(check_size(fn, "input_size", input_size), weight.shape, stride, padding, dilation,
                                 True, output_padding, groups, fn=fn)
-    _check_grad_output(fn, spec, grad_output)
+    check_grad_output(fn, spec, grad_output)
     return _run(spec, b, grad_output, None, weight, (True, False, False))[0]  # type: ignore[return-value]
 
 
@@ -320,10 +256,10 @@ def conv_transpose_weight_grad(input: torch.Tensor, weight_size: Sequence[int], 
     """
     fn = "conv_transpose_weight_grad"
     b = get_backend(backend, fn)
-    _check_tensors(fn, b, input=input, grad_output=grad_output)
-    spec = ConvSpec.from_shapes(input.shape, _check_size(fn, "weight_size", weight_size), stride, padding, dilation,
+    check_tensors(fn, b, input=input, grad_output=grad_output)
+    spec = ConvSpec.from_shapes(input.shape, check_size(fn, "weight_size", weight_size), stride, padding, dilation,
                                 True, output_padding, groups, fn=fn)
-    _check_grad_output(fn, spec, grad_output)
+    check_grad_output(fn, spec, grad_output)
     return _run(spec, b, grad_output, input, None, (False, True, False))[1]  # type: ignore[return-value]
 
 
@@ -348,7 +284,7 @@ def conv_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
         tensor([40., 40., 40.])
     """
     fn = "conv_bias_grad"
-    _check_tensor(fn, "grad_output", grad_output)
+    check_tensor(fn, "grad_output", grad_output)
     if grad_output.dim() < 3:
         raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
     return bias_grad(grad_output)

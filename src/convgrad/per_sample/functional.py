@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from convgrad.checks import check_grad_output, check_same_kind, check_size, check_tensor
 from convgrad.per_sample import methods, tuning
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
@@ -25,27 +26,18 @@ def _check(fn: str, input: Any, weight_size: Any, grad_output: Any, stride: IntO
            dilation: IntOrTuple, groups: int, transposed: bool, output_padding: IntOrTuple,
            method: str) -> tuple[ConvSpec, torch.Tensor, torch.Tensor]:
     """Validate everything; return the spec and the (x, y) sides of its forward geometry."""
-    for name, t in (("input", input), ("grad_output", grad_output)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a real floating dtype")
-    if grad_output.dtype != input.dtype:
-        raise TypeError(f"{fn}: grad_output.dtype={grad_output.dtype} does not match input.dtype={input.dtype}")
-    if grad_output.device != input.device:
-        raise ValueError(f"{fn}: grad_output.device={grad_output.device} does not match input.device={input.device}")
+    tensors = {name: check_tensor(fn, name, t, complex_ok=False) for name, t in (("input", input),
+                                                                               ("grad_output", grad_output))}
+    check_same_kind(fn, tensors)
     if method not in _METHODS:
         raise ValueError(f"{fn}: method={method!r} must be one of {_METHODS}")
-    if isinstance(weight_size, torch.Tensor) or not isinstance(weight_size, Sequence):
-        raise TypeError(f"{fn}: weight_size={weight_size!r} must be a sequence of ints such as torch.Size")
-    spec = ConvSpec.from_shapes(input.shape, tuple(weight_size), stride, padding, dilation, transposed,
-                                output_padding, groups, fn=fn)
+    weight_size = check_size(fn, "weight_size", weight_size)
+    spec = ConvSpec.from_shapes(input.shape, weight_size, stride, padding, dilation, transposed, output_padding,
+                                groups, fn=fn)
     if spec.unbatched:
         raise ValueError(f"{fn}: input.shape={tuple(input.shape)} has no batch dim; per-sample gradients need "
                          f"(N, C_in, *spatial)")
-    if tuple(grad_output.shape) != spec.output_shape:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
-                         f"{spec.output_shape} of {spec.describe()}")
+    check_grad_output(fn, spec, grad_output)
     x, y = (grad_output, input) if spec.transposed else (input, grad_output)
     return spec, x, y
 
