@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 Pair = tuple[int, int]
 PaddingArg = int | str | Sequence[Any]
@@ -178,21 +178,10 @@ def check_output_mask(fn: str, output_mask: Any) -> tuple[bool, bool, bool]:
     return (output_mask[0], output_mask[1], output_mask[2])
 
 
-class Normalised(NamedTuple):
-    """``ConvSpec``'s fields (but ``fn``) from validated arguments, in the field order."""
-
-    batch: int
-    in_channels: int
-    out_channels: int
-    input_size: tuple[int, ...]
-    kernel_size: tuple[int, ...]
-    stride: tuple[int, ...]
-    padding: tuple[Pair, ...]
-    dilation: tuple[int, ...]
-    transposed: bool
-    output_padding: tuple[int, ...]
-    groups: int
-    unbatched: bool
+# ``ConvSpec``'s fields but ``fn``, in their order: batch, in_channels, out_channels, input_size, kernel_size, stride,
+# padding, dilation, transposed, output_padding, groups, unbatched.
+Normalised = tuple[int, int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[Pair, ...],
+                   tuple[int, ...], bool, tuple[int, ...], int, bool]
 
 
 def normalise(input_shape: Sequence[int], weight_shape: Sequence[int], stride: IntOrTuple = 1,
@@ -238,5 +227,5 @@ def normalise(input_shape: Sequence[int], weight_shape: Sequence[int], stride: I
     if isinstance(pads, str):  # 'same', the one string padding_pairs returns
         pads = tuple(same_padding(*a) for a in zip(batched[2:], kernel, stride_t, dilation_t))
     check_output_padding(fn, op, stride_t, dilation_t, transposed)
-    return Normalised(batched[0], in_ch, out_ch, batched[2:], kernel, stride_t, pads, dilation_t, transposed, op,
-                      int(groups), unbatched)
+    return (batched[0], in_ch, out_ch, batched[2:], kernel, stride_t, pads, dilation_t, transposed, op, int(groups),
+            unbatched)
