@@ -7,7 +7,16 @@ import math
 import pytest
 import torch
 
-from convgrad.spec import ConvSpec, check_bias_sizes, check_output_mask, pad_split, padded_sizes, same_padding, tap_rows
+from convgrad.spec import (
+    ConvSpec,
+    check_bias_sizes,
+    check_output_mask,
+    pad_split,
+    pad_then_crop,
+    padded_sizes,
+    same_padding,
+    tap_rows,
+)
 from helpers import grid_cases, random_cases, reference_forward
 
 
@@ -253,3 +262,18 @@ def test_pad_split_matches_the_builders_formula_and_pads_exactly(lo: int, hi: in
         assert torch.equal(got[: len(want)], want)
         assert len(got) - len(want) == g - max(b, 0)  # the surplus rows a conv's output never reads
         assert padded_sizes([len(rows)], [(a, b)]) == (len(want),)
+
+
+@pytest.mark.parametrize("lo", PAD_VALUES)
+@pytest.mark.parametrize("hi", PAD_VALUES)
+def test_pad_then_crop_pads_by_lo_and_hi_even_where_f_pad_would_fail(lo: int, hi: int) -> None:
+    """pad_then_crop replaced the positive/negative parts written out in tensor_ops.pad, numpy's _pad and
+    fwdconv_plan.pad_code: padding by its first part, then removing its second, is row m = x[m - lo] (zero outside
+    x) for every m < i + lo + hi, including a crop (-3, 3) of 2 rows that only the padding makes room for."""
+    rows = torch.arange(1.0, 3.0)  # 2 rows
+    (grow,), (cut,) = pad_then_crop([(lo, hi)])
+    assert min(grow + cut) >= 0 and grow[0] - cut[0] == lo and grow[1] - cut[1] == hi
+    padded = torch.nn.functional.pad(rows, grow)
+    got = padded[cut[0]: max(len(padded) - cut[1], 0)]  # a stop below 0 would wrap; crop that far: empty
+    want = [float(rows[m - lo]) if 0 <= m - lo < len(rows) else 0.0 for m in range(max(len(rows) + lo + hi, 0))]
+    assert got.tolist() == want

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask
+from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask, pad_then_crop
 
 __all__ = ["DTYPES", "backward", "conv", "conv_backward", "conv_transpose", "forward"]
 
@@ -274,10 +274,10 @@ def _pad(a: Array, pairs: Sequence[tuple[int, int]]) -> Array:
     """Pad the trailing len(pairs) dims by (lo, hi) zeros each; a negative amount crops."""
     lead = a.ndim - len(pairs)
     # pad first, then crop: a crop on one side may exceed the input when the other side's pad makes room
+    grow, cut = pad_then_crop(pairs)
     if any(lo > 0 or hi > 0 for lo, hi in pairs):
-        a = np.pad(a, [(0, 0)] * lead + [(max(lo, 0), max(hi, 0)) for lo, hi in pairs])
-    return a[(*(slice(None),) * lead, *(slice(max(-lo, 0), a.shape[lead + j] - max(-hi, 0))
-                                        for j, (lo, hi) in enumerate(pairs)))]
+        a = np.pad(a, [(0, 0)] * lead + list(grow))
+    return a[(*(slice(None),) * lead, *(slice(lo, a.shape[lead + j] - hi) for j, (lo, hi) in enumerate(cut)))]
 
 
 # ---- checks -------------------------------------------------------------------------------------------------------

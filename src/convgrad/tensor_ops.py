@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
+from convgrad.spec import pad_then_crop
+
 Pair = tuple[int, int]
 
 __all__ = ["CHANNELS_LAST", "CONV", "ONEDNN_DTYPES", "add_product_", "batched_like", "bias_grad", "channels_innermost",
@@ -40,10 +42,11 @@ def pad(t: torch.Tensor, pairs: Sequence[Pair], mode: str = "constant") -> torch
     flat = pad_flat(pairs)
     if mode == "constant" and any(v < 0 for v in flat):
         # pad first, then crop: a crop on one side may exceed the input when the other side's pad makes room
+        grow, cut = pad_then_crop(pairs)
         if any(v > 0 for v in flat):
-            t = pad(t, [(max(lo, 0), max(hi, 0)) for lo, hi in pairs])
+            t = pad(t, grow)
         n = len(pairs)
-        return sliced(t, [slice(max(-lo, 0), t.shape[j - n] - max(-hi, 0)) for j, (lo, hi) in enumerate(pairs)])
+        return sliced(t, [slice(lo, t.shape[j - n] - hi) for j, (lo, hi) in enumerate(cut)])
     return F.pad(t, flat, mode=mode)
 
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
+from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, padded_sizes
 from convgrad.tensor_ops import CHANNELS_LAST, is_channels_last
 
 __all__ = ["NativeChoice", "native_backend"]
@@ -209,7 +209,7 @@ def native_backend(
     # The native backend pads the asymmetric excess onto a forward conv's input and hands aten the rest.
     size = spec.input_size
     if not spec.transposed:
-        size = tuple(i + lo + hi for i, (lo, hi) in zip(size, spec.padding_excess, strict=True))
+        size = padded_sizes(size, spec.padding_excess)
     # Complex convolutions run as real ones (torch's Gauss trick, convgrad's four real calls): ask for the real dtype.
     real = dtype.to_real() if dtype.is_complex else dtype
     x = _probe((spec.batch, spec.in_channels, *size), like, real, dev)

@@ -36,6 +36,7 @@ from convgrad.spec.formulation import FftDim, PhaseTaps, smooth_size, tap_rows
 from convgrad.spec.formulation import PadSplit as PadSplit
 from convgrad.spec.formulation import output_rows as output_rows
 from convgrad.spec.formulation import pad_split as pad_split
+from convgrad.spec.formulation import pad_then_crop as pad_then_crop
 from convgrad.spec.formulation import padded_sizes as padded_sizes
 from convgrad.spec.formulation import phase_taps as phase_taps
 from convgrad.spec.geometry import ConvSpec

@@ -15,7 +15,7 @@ from typing import NamedTuple
 from convgrad.spec.arguments import Pair
 
 __all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "leftover_rows", "output_rows",
-           "pad_split", "padded_sizes", "phase_taps", "smooth_size", "stride_phase", "subpixel_dim",
+           "pad_split", "pad_then_crop", "padded_sizes", "phase_taps", "smooth_size", "stride_phase", "subpixel_dim",
            "tap_reads_only_padding", "tap_rows", "transposed_output_rows"]
 
 
@@ -23,6 +23,20 @@ def output_rows(i: int, k: int, s: int, d: int, pads: Pair) -> int:
     """Rows o of a forward conv's output along one dim: floor((i + p_lo + p_hi - d(k-1) - 1) / s) + 1."""
     lo, hi = pads
     return (i + lo + hi - d * (k - 1) - 1) // s + 1
+
+
+def pad_then_crop(pads: Iterable[Pair]) -> tuple[tuple[Pair, ...], tuple[Pair, ...]]:
+    """(lo, hi) pads per dim, a negative amount a crop, as a padding by the positive parts, then a crop (rows
+    removed, >= 0) of the negative parts. In this order a crop that only the other side's padding makes room for
+    works (F.pad crops first and fails there).
+
+    Examples:
+        >>> pad_then_crop([(2, -1), (-3, 0)])
+        (((2, 0), (0, 0)), ((0, 1), (3, 0)))
+    """
+    pairs = tuple(pads)
+    return (tuple((max(lo, 0), max(hi, 0)) for lo, hi in pairs),
+            tuple((max(-lo, 0), max(-hi, 0)) for lo, hi in pairs))
 
 
 def padded_sizes(sizes: Iterable[int], pads: Iterable[Pair]) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from convgrad.backends.fwdconv import geometry as geo
-from convgrad.spec import ConvSpec, Pair
+from convgrad.spec import ConvSpec, Pair, pad_then_crop
 from convgrad.tensor_ops import pad_flat
 
 __all__ = ["Contraction", "Plan", "Spatially", "Step", "commas", "execute", "pad_code", "slices"]
@@ -136,7 +136,7 @@ def pad_code(out: str, src: str, pads: tuple[Pair, ...], note: str) -> list[str]
     amounts = pad_flat(pads)
     if all(v >= 0 for v in amounts):
         return [f"{out} = F.pad({src}, {amounts})  # pads {tuple(pads)}: {note}"]
-    grow = tuple((max(lo, 0), max(hi, 0)) for lo, hi in pads)
+    grow, cut = pad_then_crop(pads)
     lines = [f"{out} = F.pad({src}, {pad_flat(grow)})  # pads {grow}, then the crops"] if any(map(any, grow)) else []
-    crop = ", ".join(f"{max(-lo, 0) or ''}:{hi if hi < 0 else ''}" for lo, hi in pads)
+    crop = ", ".join(f"{lo or ''}:{-hi if hi else ''}" for lo, hi in cut)
     return [*lines, f"{out} = {out if lines else src}[..., {crop}]  # crops {tuple(pads)}: {note}"]
