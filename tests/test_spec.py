@@ -248,7 +248,7 @@ PAD_VALUES = range(-3, 4)
 @pytest.mark.parametrize("lo", PAD_VALUES)
 @pytest.mark.parametrize("hi", PAD_VALUES)
 def test_pad_split_matches_the_builders_formula_and_pads_exactly(lo: int, hi: int) -> None:
-    """pad_split replaced three copies (fwdconv's _phase_conv and _subpixel_plan, fwdconv_weight's _x_pads) of
+    """pad_split replaced three copies (fwdconv.grad_input's _phase_conv and _subpixel_plan, grad_weight's _x_pads) of
     grow = max(lo, hi, 0), start = grow - max(lo, 0), crops = (min(lo, 0), min(hi, 0)); it must agree with that
     formula, and cropping by crops, padding grow on both sides and skipping start rows must give the rows padded
     by (lo, hi), followed only by surplus rows."""
@@ -268,7 +268,7 @@ def test_pad_split_matches_the_builders_formula_and_pads_exactly(lo: int, hi: in
 @pytest.mark.parametrize("hi", PAD_VALUES)
 def test_pad_then_crop_pads_by_lo_and_hi_even_where_f_pad_would_fail(lo: int, hi: int) -> None:
     """pad_then_crop replaced the positive/negative parts written out in tensor_ops.pad, numpy's _pad and
-    fwdconv_plan.pad_code: padding by its first part, then removing its second, is row m = x[m - lo] (zero outside
+    fwdconv.plan.pad_code: padding by its first part, then removing its second, is row m = x[m - lo] (zero outside
     x) for every m < i + lo + hi, including a crop (-3, 3) of 2 rows that only the padding makes room for."""
     rows = torch.arange(1.0, 3.0)  # 2 rows
     (grow,), (cut,) = pad_then_crop([(lo, hi)])
