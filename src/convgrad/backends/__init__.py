@@ -6,7 +6,7 @@ and batched tensors, never raw user arguments. Adding a backend means adding a
 file here that defines a subclass of ``Backend`` decorated with
 ``register``, and importing it in ``_load_builtin``. Callers go through
 ``Backend.gradients``, which returns each gradient in the memory format
-torch's own backward gives it (``layout.py``), so that no backend has to get layouts right by itself.
+torch's own backward gives it (``memory_format.py``), so that no backend has to get layouts right by itself.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Backend(ABC):
         gradient already in torch's layout is not copied. ``input`` or ``weight`` is None when its gradient
         alone is asked for (then, as in torch.nn.grad, the missing tensor has no layout of its own).
         """
-        from convgrad.backends.layout import like_torch  # here: this package must import without torch
+        from convgrad.backends.memory_format import like_torch  # here: this package must import without torch
 
         gi, gw = self.backward(spec, grad_output, input, weight, need_input, need_weight)
         return like_torch(spec, grad_output, input, weight, gi, gw)
