@@ -16,6 +16,7 @@ import torch
 
 from convgrad._ops import bias_grad
 from convgrad.backends import Backend, backend_names, get_backend, traceable_names
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, _ntuple, check_bias_sizes, check_output_mask
 
 __all__ = [
@@ -42,11 +43,12 @@ backend_names()
 
 def _check_tensor(fn: str, name: str, t: Any) -> torch.Tensor:
     if t is None:
-        raise TypeError(f"{fn}: {name} is None, but a tensor is required")
+        raise ConvgradTypeError(f"{fn}: {name} is None, but a tensor is required")
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ConvgradTypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not (t.is_floating_point() or t.is_complex()):
-        raise TypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a floating point (or complex) dtype")
+        raise ConvgradTypeError(
+            f"{fn}: {name}.dtype={t.dtype} is not supported; use a floating point (or complex) dtype")
     return t
 
 
@@ -60,9 +62,9 @@ def _check_tensors(fn: str, backend: Backend, *, results_in_graph: bool = False,
     (first, ref), *rest = checked.items()
     for name, t in rest:
         if t.dtype != ref.dtype:
-            raise TypeError(f"{fn}: {name}.dtype={t.dtype} does not match {first}.dtype={ref.dtype}")
+            raise ConvgradTypeError(f"{fn}: {name}.dtype={t.dtype} does not match {first}.dtype={ref.dtype}")
         if t.device != ref.device:
-            raise ValueError(f"{fn}: {name}.device={t.device} does not match {first}.device={ref.device}")
+            raise ConvgradValueError(f"{fn}: {name}.device={t.device} does not match {first}.device={ref.device}")
     backend.check_operand(fn, first, ref)
     if not backend.differentiable:
         _check_untraced(fn, backend, checked, returns_gradients=not results_in_graph)
@@ -81,28 +83,30 @@ def _check_untraced(fn: str, backend: Backend, tensors: dict[str, torch.Tensor],
     tensors that require grad, whose gradients would come back silently detached from the graph."""
     for name, t in tensors.items():
         if _transformed(t):
-            raise ValueError(f"{fn}: backend={backend.name!r} does not support torch.func transforms (grad, vjp, "
-                             f"jacrev, vmap, ...) nor is_grads_batched, but {name} comes from one; use one of "
-                             f"{traceable_names()}")
+            raise ConvgradValueError(
+                f"{fn}: backend={backend.name!r} does not support torch.func transforms (grad, vjp, "
+                f"jacrev, vmap, ...) nor is_grads_batched, but {name} comes from one; use one of "
+                f"{traceable_names()}")
     tracked = [name for name, t in tensors.items() if t.requires_grad]
     if returns_gradients and tracked and torch.is_grad_enabled():
-        raise ValueError(f"{fn}: backend={backend.name!r} computes outside autograd, but "
-                         f"{tracked[0]}.requires_grad=True: the gradients would come back silently detached from "
-                         f"the graph; pass detached tensors, call it under torch.no_grad(), or use one of "
-                         f"{traceable_names()}")
+        raise ConvgradValueError(
+            f"{fn}: backend={backend.name!r} computes outside autograd, but "
+            f"{tracked[0]}.requires_grad=True: the gradients would come back silently detached from "
+            f"the graph; pass detached tensors, call it under torch.no_grad(), or use one of "
+            f"{traceable_names()}")
 
 
 def _check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:
     if isinstance(size, torch.Tensor) or not isinstance(size, Sequence) or isinstance(size, str):
-        raise TypeError(f"{fn}: {name}={size!r} must be a sequence of ints such as torch.Size")
+        raise ConvgradTypeError(f"{fn}: {name}={size!r} must be a sequence of ints such as torch.Size")
     return _ntuple(fn, name, tuple(size), len(size), 0)  # errors name `name`, not the spec's "input.shape"
 
 
 def _check_grad_output(fn: str, spec: ConvSpec, grad_output: torch.Tensor) -> None:
     expected = spec.output_shape[1:] if spec.unbatched else spec.output_shape
     if tuple(grad_output.shape) != expected:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
-                         f"{expected} of {spec.describe()}")
+        raise ConvgradValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
+                                 f"{expected} of {spec.describe()}")
 
 
 def _run(spec: ConvSpec, backend: Backend, grad_output: torch.Tensor, input: torch.Tensor | None,
@@ -350,13 +354,13 @@ def conv_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     fn = "conv_bias_grad"
     _check_tensor(fn, "grad_output", grad_output)
     if grad_output.dim() < 3:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
+        raise ConvgradValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
     return bias_grad(grad_output)
 
 
 def _nd(fn: str, n: int, name: str, shape: Sequence[int]) -> None:
     if len(shape) != n + 2:
-        raise ValueError(f"{fn}: {name} has {len(shape)} dims; a {n}d convolution needs {n + 2}")
+        raise ConvgradValueError(f"{fn}: {name} has {len(shape)} dims; a {n}d convolution needs {n + 2}")
 
 
 def _make_nn_grad(n: int) -> tuple[Any, Any]:

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
+
 Pair = tuple[int, int]
 PaddingArg = int | str | Sequence[Any]
 IntOrTuple = int | Sequence[int]
@@ -161,16 +163,16 @@ def _ntuple(fn: str, name: str, value: Any, n: int, minimum: int, *, broadcast: 
             values *= n
         if len(values) != n:
             rule = f"1 or {n}" if broadcast and n > 1 else f"{n}"
-            raise ValueError(f"{fn}: {name}={value!r} must have {rule} entries, one per spatial dim "
-                             f"(got {len(values)})")
+            raise ConvgradValueError(f"{fn}: {name}={value!r} must have {rule} entries, one per spatial dim "
+                                     f"(got {len(values)})")
     else:
-        raise TypeError(f"{fn}: {name}={value!r} must be an int or a tuple of {n} ints")
+        raise ConvgradTypeError(f"{fn}: {name}={value!r} must be an int or a tuple of {n} ints")
     for v in values:
         if not _is_int(v):
-            raise TypeError(f"{fn}: {name}={value!r} must contain only ints (got {type(v).__name__})")
+            raise ConvgradTypeError(f"{fn}: {name}={value!r} must contain only ints (got {type(v).__name__})")
         if int(v) < minimum:
             rule = "positive" if minimum == 1 else f">= {minimum}"
-            raise ValueError(f"{fn}: {name}={value!r} must be {rule}")
+            raise ConvgradValueError(f"{fn}: {name}={value!r} must be {rule}")
     return tuple(int(v) for v in values)
 
 
@@ -187,16 +189,16 @@ def _padding_pairs(fn: str, padding: PaddingArg, n: int, transposed: bool) -> tu
             return ((0, 0),) * n
         if padding == "same":
             if transposed:
-                raise ValueError(f"{fn}: padding='same' is not defined for a transposed convolution")
+                raise ConvgradValueError(f"{fn}: padding='same' is not defined for a transposed convolution")
             return "same"
-        raise ValueError(f"{fn}: padding={padding!r} must be an int, a tuple, 'same' or 'valid'")
+        raise ConvgradValueError(f"{fn}: padding={padding!r} must be an int, a tuple, 'same' or 'valid'")
     if isinstance(padding, Sequence) and any(isinstance(p, Sequence) and not isinstance(p, str) for p in padding):
         if len(padding) != n:
-            raise ValueError(f"{fn}: padding={padding!r} must have {n} (lo, hi) pairs, one per spatial dim")
+            raise ConvgradValueError(f"{fn}: padding={padding!r} must have {n} (lo, hi) pairs, one per spatial dim")
         pairs = []
         for p in padding:
             if not isinstance(p, Sequence) or isinstance(p, str) or len(p) != 2:
-                raise ValueError(f"{fn}: padding={padding!r} must mix no ints with (lo, hi) pairs")
+                raise ConvgradValueError(f"{fn}: padding={padding!r} must mix no ints with (lo, hi) pairs")
             lo, hi = _ntuple(fn, "padding", tuple(p), 2, 0)
             pairs.append((lo, hi))
         return tuple(pairs)
@@ -213,7 +215,7 @@ def _exact(v: object) -> bool:
 
 def _shape(fn: str, name: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, Sequence) or isinstance(shape, str):
-        raise TypeError(f"{fn}: {name}={shape!r} must be a sequence of ints")
+        raise ConvgradTypeError(f"{fn}: {name}={shape!r} must be a sequence of ints")
     return _ntuple(fn, name, tuple(shape), len(shape), 0)
 
 
@@ -299,30 +301,30 @@ class ConvSpec:
         weight_shape = _shape(fn, "weight.shape", weight_shape)
         n = len(weight_shape) - 2
         if n not in (1, 2, 3):
-            raise ValueError(f"{fn}: weight.shape={weight_shape} must have 3, 4 or 5 dims (1d, 2d or 3d conv)")
+            raise ConvgradValueError(f"{fn}: weight.shape={weight_shape} must have 3, 4 or 5 dims (1d, 2d or 3d conv)")
         input_shape = _shape(fn, "input.shape", input_shape)
         if len(input_shape) not in (n + 1, n + 2):
-            raise ValueError(
+            raise ConvgradValueError(
                 f"{fn}: input.shape={input_shape} must have {n + 2} dims (N, C, *spatial) "
                 f"or {n + 1} (C, *spatial) for a {n}d weight of shape {weight_shape}"
             )
         unbatched = len(input_shape) == n + 1
         batched = (1, *input_shape) if unbatched else input_shape
         if not isinstance(transposed, bool):
-            raise TypeError(f"{fn}: transposed={transposed!r} must be a bool")
+            raise ConvgradTypeError(f"{fn}: transposed={transposed!r} must be a bool")
         if not _is_int(groups):
-            raise TypeError(f"{fn}: groups={groups!r} must be an int")
+            raise ConvgradTypeError(f"{fn}: groups={groups!r} must be an int")
         if groups < 1:
-            raise ValueError(f"{fn}: groups={groups} must be positive")
+            raise ConvgradValueError(f"{fn}: groups={groups} must be positive")
         stride_t = _ntuple(fn, "stride", stride, n, 1, broadcast=True)
         dilation_t = _ntuple(fn, "dilation", dilation, n, 1, broadcast=True)
         op = _ntuple(fn, "output_padding", output_padding, n, 0, broadcast=True)
         pads = _padding_pairs(fn, padding, n, transposed)
         kernel = weight_shape[2:]
         if any(k < 1 for k in kernel):
-            raise ValueError(f"{fn}: weight.shape={weight_shape} has an empty kernel")
+            raise ConvgradValueError(f"{fn}: weight.shape={weight_shape} has an empty kernel")
         if any(v < 1 for v in batched[2:]):
-            raise ValueError(f"{fn}: input.shape={input_shape} has an empty spatial dim")
+            raise ConvgradValueError(f"{fn}: input.shape={input_shape} has an empty spatial dim")
         in_ch = batched[1]
         out_ch = weight_shape[1] * groups if transposed else weight_shape[0]
         _check_channels(fn, in_ch, out_ch, weight_shape, int(groups), transposed)
@@ -337,13 +339,14 @@ class ConvSpec:
     def _check_extents(self) -> None:
         for dim, (i, k, d, (lo, hi)) in enumerate(zip(self.input_size, self.kernel_size, self.dilation, self.padding)):
             if not self.transposed and d * (k - 1) + 1 > i + lo + hi:
-                raise ValueError(
+                raise ConvgradValueError(
                     f"{self.fn}: kernel extent dilation*(k-1)+1={d * (k - 1) + 1} is larger than the padded "
                     f"input {i}+{lo}+{hi}={i + lo + hi} in spatial dim {dim}"
                 )
         if self.transposed and any(v < 1 for v in self.x_size):
-            raise ValueError(f"{self.fn}: the transposed convolution's output size {self.x_size} must be positive; "
-                             f"padding={self.padding} crops too much")
+            raise ConvgradValueError(
+                f"{self.fn}: the transposed convolution's output size {self.x_size} must be positive; "
+                f"padding={self.padding} crops too much")
 
     # ---- the forward geometry ----------------------------------------------------
     @property
@@ -668,7 +671,7 @@ class ConvSpec:
             ((1, 12, 9, 8), (18, 2, 3, 2), 6)
         """
         if self.batch < 1:
-            raise ValueError(f"{self.fn}: with_batch_in_groups needs batch >= 1, got batch={self.batch}")
+            raise ConvgradValueError(f"{self.fn}: with_batch_in_groups needs batch >= 1, got batch={self.batch}")
         n = self.batch
         return replace(self, batch=1, in_channels=n * self.in_channels, out_channels=n * self.out_channels,
                        groups=n * self.groups, unbatched=False)
@@ -693,7 +696,7 @@ class ConvSpec:
             ((8, 4, 9, 9), True)
         """
         if batch < 0:
-            raise ValueError(f"{self.fn}: batch={batch} must be >= 0")
+            raise ConvgradValueError(f"{self.fn}: batch={batch} must be >= 0")
         return self if batch == self.batch else replace(self, batch=batch)
 
     def with_merged_groups(self, merge: int) -> ConvSpec:
@@ -705,7 +708,7 @@ class ConvSpec:
             ValueError: merge does not divide groups.
         """
         if merge < 1 or self.groups % merge:
-            raise ValueError(f"{self.fn}: merge={merge} must divide groups={self.groups}")
+            raise ConvgradValueError(f"{self.fn}: merge={merge} must divide groups={self.groups}")
         return replace(self, groups=self.groups // merge)
 
     def macs(self) -> int:
@@ -735,19 +738,19 @@ class ConvSpec:
 def _check_channels(fn: str, in_ch: int, out_ch: int, weight_shape: tuple[int, ...], groups: int,
                     transposed: bool) -> None:
     if in_ch < 1 or out_ch < 1:
-        raise ValueError(f"{fn}: channels must be positive (in_channels={in_ch}, out_channels={out_ch})")
+        raise ConvgradValueError(f"{fn}: channels must be positive (in_channels={in_ch}, out_channels={out_ch})")
     if in_ch % groups:
-        raise ValueError(f"{fn}: groups={groups} must divide in_channels={in_ch}")
+        raise ConvgradValueError(f"{fn}: groups={groups} must divide in_channels={in_ch}")
     if out_ch % groups:
-        raise ValueError(f"{fn}: groups={groups} must divide out_channels={out_ch}")
+        raise ConvgradValueError(f"{fn}: groups={groups} must divide out_channels={out_ch}")
     if transposed:
         if weight_shape[0] != in_ch:
-            raise ValueError(
+            raise ConvgradValueError(
                 f"{fn}: weight.shape={weight_shape} expects in_channels={weight_shape[0]} for a transposed conv, "
                 f"but input has {in_ch} channels"
             )
     elif weight_shape[1] * groups != in_ch:
-        raise ValueError(
+        raise ConvgradValueError(
             f"{fn}: weight.shape={weight_shape} with groups={groups} expects in_channels="
             f"{weight_shape[1] * groups}, but input has {in_ch} channels"
         )
@@ -757,11 +760,11 @@ def _check_output_padding(fn: str, op: tuple[int, ...], stride: tuple[int, ...],
                           transposed: bool) -> None:
     if not transposed:
         if any(op):
-            raise ValueError(f"{fn}: output_padding={op} is only allowed for a transposed convolution")
+            raise ConvgradValueError(f"{fn}: output_padding={op} is only allowed for a transposed convolution")
         return
     for p, s, d in zip(op, stride, dilation):
         if p >= max(s, d):
-            raise ValueError(
+            raise ConvgradValueError(
                 f"{fn}: output_padding={op} must be smaller than max(stride, dilation) in every dim "
                 f"(stride={stride}, dilation={dilation})"
             )
@@ -773,12 +776,13 @@ def check_bias_sizes(fn: str, bias_sizes: Any, out_channels: int) -> None:
         return
     if (not isinstance(bias_sizes, Sequence) or isinstance(bias_sizes, str) or list(bias_sizes) != [out_channels]
             or not _is_int(bias_sizes[0])):  # [6.0] == [6] in Python
-        raise ValueError(f"{fn}: bias_sizes={bias_sizes!r} must be None or [out_channels]=[{out_channels}]")
+        raise ConvgradValueError(f"{fn}: bias_sizes={bias_sizes!r} must be None or [out_channels]=[{out_channels}]")
 
 
 def check_output_mask(fn: str, output_mask: Any) -> tuple[bool, bool, bool]:
     """output_mask must be three bools (grad_input, grad_weight, grad_bias)."""
     if (not isinstance(output_mask, Sequence) or isinstance(output_mask, str) or len(output_mask) != 3
             or not all(isinstance(m, bool) for m in output_mask)):
-        raise ValueError(f"{fn}: output_mask={output_mask!r} must be three bools (grad_input, grad_weight, grad_bias)")
+        raise ConvgradValueError(
+            f"{fn}: output_mask={output_mask!r} must be three bools (grad_input, grad_weight, grad_bias)")
     return (output_mask[0], output_mask[1], output_mask[2])

@@ -16,6 +16,8 @@ import types
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,8 +47,8 @@ class Backend(ABC):
         """Raise TypeError (a dtype) or ValueError (a device) where this backend cannot compute with ``t``,
         naming ``fn``, the tensor's ``name`` and the value; called on every tensor a user passes."""
         if t.is_complex() and not self.supports_complex:
-            raise TypeError(f"{fn}: backend={self.name!r} does not support complex dtypes ({t.dtype}); "
-                            f"use backend='native' or 'fwdconv'")
+            raise ConvgradTypeError(f"{fn}: backend={self.name!r} does not support complex dtypes ({t.dtype}); "
+                                    f"use backend='native' or 'fwdconv'")
 
     @abstractmethod
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -139,11 +141,11 @@ def get_backend(name: str, fn: str = "convgrad") -> Backend:
     if not _loaded:
         _load_builtin()
     if not isinstance(name, str):
-        raise TypeError(f"{fn}: backend={name!r} must be a string, one of {backend_names()}")
+        raise ConvgradTypeError(f"{fn}: backend={name!r} must be a string, one of {backend_names()}")
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"{fn}: backend={name!r} is not registered; choose one of {backend_names()}") from None
+        raise ConvgradValueError(f"{fn}: backend={name!r} is not registered; choose one of {backend_names()}") from None
 
 
 class _CallableModule(types.ModuleType):

@@ -66,6 +66,7 @@ from convgrad.backends import Backend, auto_cache, auto_tuning, backend_names, g
 from convgrad.backends.auto_cache import _DRIFT, _DRIFT_CALLS, _MAX_RETUNES, Store, cache_path, device_name  # noqa: F401
 from convgrad.backends.auto_tuning import PREFER_NATIVE, SPLIT_MARGIN, Choice, Result
 from convgrad.backends.auto_tuning import tune as _tune
+from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec
 
 __all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
@@ -104,7 +105,7 @@ def set_mode(mode: str) -> str:
     """
     global _mode
     if mode not in MODES:
-        raise ValueError(f"set_mode: mode={mode!r} must be one of {MODES}")
+        raise ConvgradValueError(f"set_mode: mode={mode!r} must be one of {MODES}")
     previous, _mode = get_mode(), mode
     return previous
 
@@ -115,7 +116,7 @@ def get_mode() -> str:
     if _mode is None:
         env = os.environ.get("CONVGRAD_AUTOTUNE", "tune").strip().lower() or "tune"
         if env not in MODES:
-            raise ValueError(f"convgrad: CONVGRAD_AUTOTUNE={env!r} must be one of {MODES}")
+            raise ConvgradValueError(f"convgrad: CONVGRAD_AUTOTUNE={env!r} must be one of {MODES}")
         _mode = env
     return _mode
 

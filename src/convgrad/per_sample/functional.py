@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.per_sample import methods, tuning
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
@@ -27,25 +28,26 @@ def _check(fn: str, input: Any, weight_size: Any, grad_output: Any, stride: IntO
     """Validate everything; return the spec and the (x, y) sides of its forward geometry."""
     for name, t in (("input", input), ("grad_output", grad_output)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ConvgradTypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
-            raise TypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a real floating dtype")
+            raise ConvgradTypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a real floating dtype")
     if grad_output.dtype != input.dtype:
-        raise TypeError(f"{fn}: grad_output.dtype={grad_output.dtype} does not match input.dtype={input.dtype}")
+        raise ConvgradTypeError(f"{fn}: grad_output.dtype={grad_output.dtype} does not match input.dtype={input.dtype}")
     if grad_output.device != input.device:
-        raise ValueError(f"{fn}: grad_output.device={grad_output.device} does not match input.device={input.device}")
+        raise ConvgradValueError(
+            f"{fn}: grad_output.device={grad_output.device} does not match input.device={input.device}")
     if method not in _METHODS:
-        raise ValueError(f"{fn}: method={method!r} must be one of {_METHODS}")
+        raise ConvgradValueError(f"{fn}: method={method!r} must be one of {_METHODS}")
     if isinstance(weight_size, torch.Tensor) or not isinstance(weight_size, Sequence):
-        raise TypeError(f"{fn}: weight_size={weight_size!r} must be a sequence of ints such as torch.Size")
+        raise ConvgradTypeError(f"{fn}: weight_size={weight_size!r} must be a sequence of ints such as torch.Size")
     spec = ConvSpec.from_shapes(input.shape, tuple(weight_size), stride, padding, dilation, transposed,
                                 output_padding, groups, fn=fn)
     if spec.unbatched:
-        raise ValueError(f"{fn}: input.shape={tuple(input.shape)} has no batch dim; per-sample gradients need "
-                         f"(N, C_in, *spatial)")
+        raise ConvgradValueError(f"{fn}: input.shape={tuple(input.shape)} has no batch dim; per-sample gradients need "
+                                 f"(N, C_in, *spatial)")
     if tuple(grad_output.shape) != spec.output_shape:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
-                         f"{spec.output_shape} of {spec.describe()}")
+        raise ConvgradValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
+                                 f"{spec.output_shape} of {spec.describe()}")
     x, y = (grad_output, input) if spec.transposed else (input, grad_output)
     return spec, x, y
 
@@ -99,8 +101,8 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
     spec, x, y = _check(fn, input, weight_size, grad_output, stride, padding, dilation, groups, transposed,
                         output_padding, method)
     if method == "ghost":
-        raise ValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
-                         f"'unfold', 'conv', 'native', 'fft' or 'auto'")
+        raise ConvgradValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
+                                 f"'unfold', 'conv', 'native', 'fft' or 'auto'")
     with methods.one_layer():
         if method == "auto":
             method = tuning.method_for(spec, x, y, "grads")
@@ -130,10 +132,10 @@ def per_sample_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     """
     fn = "per_sample_bias_grad"
     if not isinstance(grad_output, torch.Tensor) or not grad_output.is_floating_point():
-        raise TypeError(f"{fn}: grad_output must be a real floating torch.Tensor, got "
-                        f"{getattr(grad_output, 'dtype', type(grad_output).__name__)}")
+        raise ConvgradTypeError(f"{fn}: grad_output must be a real floating torch.Tensor, got "
+                                f"{getattr(grad_output, 'dtype', type(grad_output).__name__)}")
     if grad_output.dim() < 2:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
+        raise ConvgradValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
     dims = list(range(2, grad_output.dim()))
     if not dims:
         return grad_output.clone()
@@ -199,7 +201,7 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
     spec, x, y = _check(fn, input, weight_size, grad_output, stride, padding, dilation, groups, transposed,
                         output_padding, method)
     if not isinstance(bias, bool):
-        raise TypeError(f"{fn}: bias={bias!r} must be a bool")
+        raise ConvgradTypeError(f"{fn}: bias={bias!r} must be a bool")
     with methods.one_layer():
         if method == "auto":
             method = tuning.method_for(spec, x, y, "norms")

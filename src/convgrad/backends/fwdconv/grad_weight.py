@@ -36,6 +36,7 @@ from convgrad.backends.fwdconv.steps import (
     channels_last,
     pad_or_fold,
 )
+from convgrad.errors import ConvgradValueError, MethodRefused
 from convgrad.spec import ConvSpec, Pair
 
 Shape = tuple[int, ...]
@@ -56,10 +57,10 @@ def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
     x_name, y_name = ("grad_output", "input") if spec.transposed else ("input", "grad_output")
     chosen, reason = weight_method(spec) if method is None else (method, "forced")
     if chosen not in BUILDERS:
-        raise ValueError(f"plan_weight_grad: method={method!r} must be None or one of {WEIGHT_METHODS}")
+        raise ConvgradValueError(f"plan_weight_grad: method={method!r} must be None or one of {WEIGHT_METHODS}")
     why = refusal(chosen, spec)
     if why:  # even for a batch of 0, whose sum is empty: the method is wrong for the layer
-        raise ValueError(f"plan_weight_grad: method={chosen!r} {why}; {spec.describe()}")
+        raise MethodRefused("plan_weight_grad", chosen, why, spec.describe())
     if spec.batch == 0:
         return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), spec.weight_shape, "empty", "batch 0")
     data_steps, kernel_steps, conv, post = BUILDERS[chosen](spec)
