@@ -8,7 +8,10 @@ few small configurations.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import pkgutil
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 import convgrad as cg
+from convgrad import backends as backends_package
 from convgrad.backends import _REGISTRY, Backend, auto, auto_cache, auto_tuning, get_backend
 from convgrad.spec import ConvSpec
 from helpers import Case, assert_matches_autograd, make_tensors, reference_grads
@@ -98,12 +102,13 @@ def test_both_gradients_are_tuned_once_settled_and_remembered(tune: None, tuning
     _settle(case, t)
     assert tunings == ["both"]  # one tuning for both gradients, none per gradient
     both = auto.chosen(case.spec(), "both", t["grad_output"])
-    assert both is not None and both.backend in ("split", *auto.CANDIDATES) and not both.rejected
-    assert set(both.times) <= {*auto.CANDIDATES, "split"} and "native" in both.times
+    racing = [b.name for b in auto.candidates(case.spec(), t["grad_output"])]
+    assert both is not None and both.backend in ("split", *racing) and not both.rejected
+    assert set(both.times) <= {*racing, "split"} and "native" in both.times
     # parts name the two halves exactly when "split" was an option (the best grad_input and grad_weight differ)
     assert ("split" in both.times) == (len(both.parts) == 2) and len(both.parts) in (0, 2)
     assert both.backend != "split" or "split" in both.times
-    assert not both.parts or (both.parts[0] != both.parts[1] and set(both.parts) <= set(auto.CANDIDATES))
+    assert not both.parts or (both.parts[0] != both.parts[1] and set(both.parts) <= set(racing))
     for _ in range(3):
         assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
     assert tunings == ["both"]  # remembered
@@ -116,8 +121,9 @@ def test_one_gradient_alone_is_tuned_on_its_own(tune: None, tunings: Tunings, gr
     t = make_tensors(case)
     _settle(case, t, gradient)
     choice = auto.chosen(case.spec(), gradient, t["grad_output"])
-    assert tunings == ["one"] and choice is not None and choice.backend in auto.CANDIDATES
-    assert set(choice.times) <= set(auto.CANDIDATES)
+    racing = [b.name for b in auto.candidates(case.spec(), t["grad_output"])]
+    assert tunings == ["one"] and choice is not None and choice.backend in racing
+    assert set(choice.times) <= set(racing)
 
 
 class _Wrong(Backend):
@@ -136,8 +142,7 @@ class _Wrong(Backend):
 
 
 def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_REGISTRY, "wrong", _Wrong())
-    monkeypatch.setattr(auto, "CANDIDATES", ("wrong", "native"))
+    monkeypatch.setitem(_REGISTRY, "wrong", _Wrong())  # registered: raced
     case = CASES[0]
     t = make_tensors(case)
     for gradient in GRADIENTS:
@@ -168,7 +173,6 @@ def test_the_first_call_runs_the_candidates_on_a_slice_of_the_batch_only(tune: N
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     counting = _Counting()
     monkeypatch.setitem(_REGISTRY, "counting", counting)
-    monkeypatch.setattr(auto, "CANDIDATES", ("native", "counting"))
     case = Case((32, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name="n32")
     t = make_tensors(case)
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
@@ -385,7 +389,7 @@ def test_winners_persist_to_the_cache_file_and_load_back(tune: None, tmp_path: A
     data = json.loads(path.read_text())
     assert data["torch"] == torch.__version__ and data["format"] == auto_cache.FORMAT and len(data["choices"]) == 1
     entry = next(iter(data["choices"].values()))
-    assert entry["backend"] in (*auto.CANDIDATES, "split") and entry["pending"] == []  # settled, then saved again
+    assert entry["backend"] in (*cg.backends(), "split") and entry["pending"] == []  # settled, then saved again
     auto.clear()
     monkeypatch.setattr(auto, "_tune_both", lambda *a: pytest.fail("tuned although the cache file has the winner"))
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
@@ -474,3 +478,49 @@ def test_complex_tensors_tune_only_among_complex_backends(tune: None) -> None:
     choice = auto.chosen(case.spec(), "both", t["grad_output"])
     assert choice is not None and all(get_backend(n).supports_complex for n in choice.times if n != "split")
     assert all(get_backend(n).supports_complex for n in choice.parts)
+
+
+TOY = """
+from convgrad.backends import Backend, get_backend, register
+
+
+@register
+class ToyBackend(Backend):
+    name = "toy"
+
+    def can_serve(self, spec, like):
+        return spec.groups == 2  # a rule of its own: only grouped layers
+
+    def input_grad(self, spec, weight, grad_output):
+        return get_backend("native").input_grad(spec, weight, grad_output)
+
+    def weight_grad(self, spec, input, grad_output):
+        return get_backend("native").weight_grad(spec, input, grad_output)
+"""
+
+
+def test_a_backend_in_one_file_with_the_decorator_is_raced_by_auto(tune: None, tmp_path: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding a backend is one file and ``@register``: no list in backends/__init__.py or auto to edit. Auto
+    races it where its ``can_serve`` lets it in, and nowhere else. Mutant: auto's old hand-kept CANDIDATES tuple
+    never raced it."""
+    (tmp_path / "toy_backend.py").write_text(TOY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(backends_package, "_REGISTRY", dict(_REGISTRY))  # the toy leaves with the test
+    monkeypatch.delitem(sys.modules, "toy_backend", raising=False)
+    importlib.import_module("toy_backend")
+    assert "toy" in cg.backends()
+    grouped, plain = CASES[1], CASES[0]  # groups=2, groups=1
+    for case, raced in ((grouped, True), (plain, False)):
+        t = make_tensors(case)
+        assert ("toy" in [b.name for b in auto.candidates(case.spec(), t["grad_output"])]) is raced
+        _settle(case, t, "grad_weight")
+        choice = auto.chosen(case.spec(), "grad_weight", t["grad_output"])
+        assert choice is not None and ("toy" in choice.times or "toy" in choice.rejected) is raced, choice
+
+
+def test_every_module_of_the_backends_package_is_loaded() -> None:
+    """The registry imports the package's modules by discovery (pkgutil), so none is left out."""
+    cg.backends()
+    names = {m.name for m in pkgutil.iter_modules(backends_package.__path__)}
+    assert names and all(f"convgrad.backends.{n}" in sys.modules for n in names), names

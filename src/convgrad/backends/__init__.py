@@ -2,15 +2,18 @@
 
 A backend is a class with ``input_grad`` and ``weight_grad`` (and optionally a
 fused ``backward``) that receives a validated ``ConvSpec``
-and batched tensors, never raw user arguments. Adding a backend means adding a
-file here that defines a subclass of ``Backend`` decorated with
-``register``, and importing it in ``_load_builtin``. Callers go through
+and batched tensors, never raw user arguments. Adding a backend means adding one
+file here that defines a subclass of ``Backend`` decorated with ``register``: the
+modules of this package are discovered on first use, and "auto" races every
+registered backend whose ``can_serve`` says it may. Callers go through
 ``Backend.gradients``, which returns each gradient in the memory format
 torch's own backward gives it (``memory_format.py``), so that no backend has to get layouts right by itself.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import sys
 import types
 from abc import ABC, abstractmethod
@@ -42,6 +45,12 @@ class Backend(ABC):
     # built from torch ops: autograd sees through it (second derivatives) and so do torch.func's transforms
     differentiable: ClassVar[bool] = True
     supports_complex: ClassVar[bool] = False
+
+    def can_serve(self, spec: ConvSpec, like: torch.Tensor) -> bool:
+        """Whether "auto" should race this backend for this layer on tensors like ``like`` (grad_output, or the
+        input of a forward): a cheap rule saying where it can differ from native. Default: everywhere; auto still
+        times it and checks its result against native's."""
+        return True
 
     def check_operand(self, fn: str, name: str, t: torch.Tensor) -> None:
         """Raise TypeError (a dtype) or ValueError (a device) where this backend cannot compute with ``t``,
@@ -111,17 +120,13 @@ def register(cls: _B) -> _B:
 
 
 def _load_builtin() -> None:
+    """Import every module of this package, so that each ``@register`` runs: no list of backends to keep.
+
+    Here, not at module top, so that ``convgrad.spec`` and the NumPy path never need torch."""
     global _loaded
     _loaded = True
-    # Imported here, not at module top, so that `convgrad.spec` and the NumPy path never need torch.
-    from convgrad.backends import auto, channels_last, chunked, fft, fwdconv, native, regroup  # noqa: F401
-
-    for optional in ("gemm", "numpy"):
-        try:
-            __import__(f"convgrad.backends.{optional}")
-        except ModuleNotFoundError as err:
-            if err.name != f"convgrad.backends.{optional}":
-                raise
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
 
 
 def backend_names() -> list[str]:

@@ -1,6 +1,6 @@
 """The "auto" backend: per configuration and per gradient, the fastest backend that agrees with native.
 
-Contraction: whichever candidate wins (native, fwdconv, gemm; see their files), separately for
+Contraction: whichever candidate wins (every registered backend that can serve, ``candidates``), separately for
 grad_input and grad_weight, because the fastest formulation differs per gradient and per layer.
 
 Like ``torch.backends.cudnn.benchmark``: the first time a (configuration, gradient, dtype, device,
@@ -69,11 +69,9 @@ from convgrad.backends.auto_tuning import tune as _tune
 from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec
 
-__all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
+__all__ = ["FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path", "candidates",
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
 
-# those registered take part
-CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup", "chunked", "fft")
 FIXED_CHOICE = "native"
 MODES = ("tune", "fixed")
 
@@ -200,12 +198,13 @@ def _tunable(*tensors: torch.Tensor) -> bool:
     return all(plain(t) and t.device.type != "meta" for t in tensors)
 
 
-def _candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
-    """The registered candidates that handle this dtype, native first; a backend with a ``can_serve(spec, like)``
-    rule takes part only where that rule says it can differ from native."""
-    names = ["native", *(n for n in CANDIDATES if n != "native" and n in backend_names())]
-    return [b for b in map(get_backend, names) if (not like.is_complex() or b.supports_complex)
-            and getattr(b, "can_serve", lambda spec, like: True)(spec, like)]
+def candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
+    """The backends auto races for this layer on tensors like ``like``, native first: every registered backend
+    (auto aside) made of torch ops (``differentiable``, as auto promises to be), handling this dtype, whose
+    ``can_serve(spec, like)`` lets it in. Registering a backend is all it takes to be raced."""
+    names = ["native", *(n for n in backend_names() if n not in ("native", "auto"))]
+    return [b for b in map(get_backend, names) if b.differentiable and (not like.is_complex() or b.supports_complex)
+            and b.can_serve(spec, like)]
 
 
 def _head(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -231,7 +230,7 @@ def _tune_both(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
     The options for both (each backend's own backward, and "split") are then decided on those times, a
     backend's backward that does not share work estimated as its two gradients in a row; the survivors are
     compared on the calls that follow (``Store.run``)."""
-    n, device, cands = spec.batch, grad_output.device, _candidates(spec, grad_output)
+    n, device, cands = spec.batch, grad_output.device, candidates(spec, grad_output)
     gi = {b.name: (lambda m, b=b: b.input_grad(_sub(spec, m), weight, _head(grad_output, m))) for b in cands}
     gw = {b.name: (lambda m, b=b: b.weight_grad(_sub(spec, m), _head(input, m), _head(grad_output, m))) for b in cands}
     own = {b.name: (lambda m, b=b: b.backward(_sub(spec, m), _head(grad_output, m), _head(input, m), weight, True,
@@ -283,7 +282,7 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     key = _key(spec, "forward", input)
     known = _choices.lookup(key)
     if known is None:
-        cands = [b for b in _candidates(spec, input) if b.name != "native" and hasattr(b, "forward")]
+        cands = [b for b in candidates(spec, input) if b.name != "native" and hasattr(b, "forward")]
         if not cands:
             return native_forward(spec, input, weight, bias)
         options: dict[str, Callable[[int], torch.Tensor]] = {
@@ -355,7 +354,7 @@ class AutoBackend(Backend):
         if known is None:
             if not _tunable(grad_output, operand):
                 return call(get_backend(FIXED_CHOICE), spec, spec.batch)
-            options = {b.name: (lambda m, b=b: call(b, _sub(spec, m), m)) for b in _candidates(spec, grad_output)}
+            options = {b.name: (lambda m, b=b: call(b, _sub(spec, m), m)) for b in candidates(spec, grad_output)}
             known, out = _tune(options, spec.batch, grad_output.device)
             _choices.remember(key, known)
             if out is not None and not torch.is_grad_enabled():
