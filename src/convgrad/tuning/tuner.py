@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PREFER_NATIVE", "PRUNE_ESTIMATE", "SCREEN_DROP", "SPLIT_MARGIN", "Choice", "Exploration", "Screen",
-           "agrees", "decide", "prune", "screen", "screen_batch", "tune"]
+__all__ = ["PREFER_NATIVE", "PRUNE_ESTIMATE", "SCREEN_DROP", "SPLIT_MARGIN", "Choice", "Exploration", "Result", "Run",
+           "Screen", "agrees", "decide", "prune", "screen", "screen_batch", "timed", "tune"]
 
 Result = Any  # a gradient, a (grad_input, grad_weight) pair, or whatever the options compute
 Run = Callable[[int], Result]  # run(n): the result for the first n samples of the batch
@@ -111,7 +111,7 @@ def screen_batch(batch: int) -> int:
     """The batch options are screened on: an eighth of ``batch``, rounded up, at least 4 samples (at most all).
 
     Examples:
-        >>> from convgrad.backends.auto_tuning import screen_batch
+        >>> from convgrad.tuning.tuner import screen_batch
         >>> [screen_batch(n) for n in (0, 1, 8, 9, 32, 33, 256)]
         [0, 1, 4, 4, 4, 5, 32]
     """
@@ -122,7 +122,7 @@ def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = ()) -> set[str
     """The options a cost model rules out: estimated over PRUNE_ESTIMATE times the cheapest (never those in keep).
 
     Examples:
-        >>> from convgrad.backends.auto_tuning import prune
+        >>> from convgrad.tuning.tuner import prune
         >>> sorted(prune({"ghost": 45.0, "unfold": 10.0, "conv": 30.0}))
         ['ghost']
     """
@@ -150,10 +150,10 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
             return Screen({}, (), {reference: ref}, n)
         # one probe at a time beside the reference's: a per-sample option's result can be hundreds of MiB
         ok = [name for name in options if name == reference or agree(options[name](n), ref)]
-        times = {name: _timed(lambda r=options[name]: r(n), device)[1] * scale for name in ok}
+        times = {name: timed(lambda r=options[name]: r(n), device)[1] * scale for name in ok}
         for name in ok:  # a call delayed by other load must not drop an option: those to be dropped run once more
             if times[name] > SCREEN_DROP * min(times.values()):
-                times[name] = min(times[name], _timed(lambda r=options[name]: r(n), device)[1] * scale)
+                times[name] = min(times[name], timed(lambda r=options[name]: r(n), device)[1] * scale)
     return Screen(times, tuple(name for name in options if name not in ok), {reference: ref}, n)
 
 
@@ -166,7 +166,7 @@ def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected:
     incumbent if it survived, else the fastest) first.
 
     Examples:
-        >>> from convgrad.backends.auto_tuning import decide
+        >>> from convgrad.tuning.tuner import decide
         >>> c = decide(32, {"native": 3.0, "fwdconv": 1.0, "gemm": 2.5}, "native", keep=("native",))
         >>> c.backend, c.pending
         ('fwdconv', ('native', 'fwdconv'))
@@ -193,7 +193,7 @@ def tune(options: Mapping[str, Run], batch: int, device: torch.device, reference
 
     Examples:
         >>> import torch
-        >>> from convgrad.backends.auto_tuning import tune
+        >>> from convgrad.tuning.tuner import tune
         >>> x = torch.randn(64, 256)
         >>> options = {"native": lambda n: x[:n] @ x[:n].T, "wrong": lambda n: torch.zeros(n, n)}
         >>> choice, _ = tune(options, 64, torch.device("cpu"))
@@ -232,7 +232,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(option: Callable[[], Result], device: torch.device) -> tuple[Result, float]:
+def timed(option: Callable[[], Result], device: torch.device) -> tuple[Result, float]:
+    """The option's result and its wall time in seconds (the device synchronized before and after)."""
     _sync(device)
     start = time.perf_counter()
     out = option()
@@ -270,7 +271,7 @@ class Exploration:
     returns the settled winner once there is one.
 
     Examples:
-        >>> from convgrad.backends.auto_tuning import Exploration
+        >>> from convgrad.tuning.tuner import Exploration
         >>> explore, seconds, settled = Exploration(("native", "gemm")), {"native": 1.0, "gemm": 0.5}, None
         >>> while settled is None:
         ...     name, timed = explore.next()
