@@ -11,12 +11,15 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from convgrad._ops import plain
 from convgrad.errors import ConvgradValueError
-from convgrad.spec import ConvSpec
+
+if TYPE_CHECKING:  # a spec is only passed through: tuning sits beside spec, not above it
+    from convgrad.spec import ConvSpec
 
 __all__ = ["MODES", "batch_bucket", "bucketed", "fixed", "get_mode", "set_mode", "threads", "tunable",
            "tuning_mode"]
