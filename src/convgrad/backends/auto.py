@@ -27,19 +27,14 @@ The cost of the first call: the screening, two calls of every option on the slic
 gradients: each backend's grad_input and grad_weight, and the own backward of native and gemm),
 about a quarter of a call per option; afterwards, only the difference in speed while a slower
 survivor runs. Layers of the same configuration share one tuning, so a network pays once per
-distinct layer shape and batch bucket. Measured on 2 busy shared cores (CPU time, which load
-disturbs less than wall time), the first training step of a CIFAR ResNet-18 at batch 32 under
-``convgrad.patch`` (11 distinct conv configurations) cost 1.2 s of CPU more than plain torch's
-first step, about one steady step (1.3 s of CPU); before this screening it was about 26 steady
-steps. The network of ``convgrad demo`` (6 configurations, tiny layers): 0.13 s more.
-With ``CONVGRAD_AUTOTUNE_CACHE=1`` and the cache already written, a new process pays only the
-lookups (and settles choices still being compared). ``benchmarks/first_step.py`` measures it.
+distinct layer shape and batch bucket: about one steady step for a CIFAR ResNet-18
+(benchmarks/results/auto_first_step.md, made by ``benchmarks/first_step.py``). With
+``CONVGRAD_AUTOTUNE_CACHE=1`` and the cache already written, a new process pays only the lookups.
 
 A choice is watched on the CPU: when its calls run ``DRIFT`` (2) times slower per sample than it
 was tuned at, ``DRIFT_CALLS`` (3) calls in a row, it is tuned again, at most ``MAX_RETUNES`` (2)
-times per configuration. A backend's speed can change within a process (on a 2-core VM, gemm's
-grad_weight of MobileNetV2's pointwise conv went from 4.6 to 11 ms per call after a few seconds,
-while native stayed at 4.5-5.9 ms), and a choice made once would keep the slow one.
+times per configuration: a backend's speed can change within a process, and a choice made once would keep the
+slow one (benchmarks/results/auto_margins.md).
 
 Modes, set by ``set_mode`` or the ``CONVGRAD_AUTOTUNE`` environment variable (read on first use):
 

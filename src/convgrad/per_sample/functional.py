@@ -164,8 +164,8 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
       "ghost" is chosen iff ``P·g·(C_y + C_x·T) < C_y·C_x·T``, which also makes its memory
       ``N·g·P²`` smaller than the gradients' ``N·C_y·C_x·T/g``.
     - otherwise the gradients are materialised, chunk by chunk of the batch so that scratch space
-      stays under 2^22 elements: "unfold" copies ``N·C_x·T·P`` elements into an im2col buffer and
-      runs GEMMs whose output tile per (sample, group) is ``(C_y/g)×(C_x·T/g)``; when that tile has
+      stays under 2^20 elements (``methods.CHUNK_ELEMENTS``): "unfold" copies ``N·C_x·T·P`` elements into an
+      im2col buffer and runs GEMMs whose output tile per (sample, group) is ``(C_y/g)×(C_x·T/g)``; when that tile has
       fewer than 64 entries (depthwise-like layers, where such GEMMs are inefficient) "conv" is
       chosen instead: one grouped convolution, no im2col buffer. "native" (PyTorch's weight-gradient
       kernel on the batch folded into the groups) is measured by "auto" too, but never chosen by this cost model.
