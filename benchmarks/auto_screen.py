@@ -1,7 +1,7 @@
-"""How well a sub-batch ranks auto's options: the data behind ``auto_tuning``'s screening rule.
+"""How well a sub-batch ranks auto's options: the data behind ``convgrad.tuning``'s screening rule.
 
 auto screens its options on a slice of the batch before it times the survivors on the whole
-batch (``convgrad.backends.auto_tuning``). That is safe only if an option that is much slower
+batch (``convgrad.tuning.tuner``). That is safe only if an option that is much slower
 than the best on the slice is not close to the best on the whole batch. This script times every
 backend's grad_input, grad_weight and both gradients at the full batch and at the screening
 batch, interleaved in rounds, on the layers of ``convgrad bench`` and the convolutions of a CIFAR
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from convgrad.backends import backend_names, get_backend
-from convgrad.backends.auto_tuning import PREFER_NATIVE, screen_batch
 from convgrad.cli.bench.layers import SUITES, Layer, _conv
 from convgrad.spec import ConvSpec
+from convgrad.tuning import PREFER_NATIVE, screen_batch
 
 BACKENDS = [b for b in ("native", "fwdconv", "gemm") if b in backend_names()]
 TASKS = ("grad_input", "grad_weight", "both")

@@ -75,7 +75,7 @@ def table() -> str:
     sys.path.insert(0, src)  # this clone's convgrad, as in the children
     import torch
 
-    from convgrad.backends.auto_cache import device_name
+    from convgrad.tuning import device_name
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = f", load average {min(loads):.1f} to {max(loads):.1f} while it ran" if loads else ""

@@ -8,7 +8,10 @@ few small configurations.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import pkgutil
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,8 +19,11 @@ import pytest
 import torch
 
 import convgrad as cg
-from convgrad.backends import _REGISTRY, Backend, auto, auto_cache, auto_tuning, get_backend
+from convgrad import backends as backends_package
+from convgrad import tuning
+from convgrad.backends import _REGISTRY, Backend, auto, get_backend
 from convgrad.spec import ConvSpec
+from convgrad.tuning import modes, store, tuner
 from helpers import Case, assert_matches_autograd, make_tensors, reference_grads
 
 CASES = [Case((2, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name="s2"),
@@ -98,12 +104,13 @@ def test_both_gradients_are_tuned_once_settled_and_remembered(tune: None, tuning
     _settle(case, t)
     assert tunings == ["both"]  # one tuning for both gradients, none per gradient
     both = auto.chosen(case.spec(), "both", t["grad_output"])
-    assert both is not None and both.backend in ("split", *auto.CANDIDATES) and not both.rejected
-    assert set(both.times) <= {*auto.CANDIDATES, "split"} and "native" in both.times
+    racing = [b.name for b in auto.candidates(case.spec(), t["grad_output"])]
+    assert both is not None and both.backend in ("split", *racing) and not both.rejected
+    assert set(both.times) <= {*racing, "split"} and "native" in both.times
     # parts name the two halves exactly when "split" was an option (the best grad_input and grad_weight differ)
     assert ("split" in both.times) == (len(both.parts) == 2) and len(both.parts) in (0, 2)
     assert both.backend != "split" or "split" in both.times
-    assert not both.parts or (both.parts[0] != both.parts[1] and set(both.parts) <= set(auto.CANDIDATES))
+    assert not both.parts or (both.parts[0] != both.parts[1] and set(both.parts) <= set(racing))
     for _ in range(3):
         assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
     assert tunings == ["both"]  # remembered
@@ -116,8 +123,9 @@ def test_one_gradient_alone_is_tuned_on_its_own(tune: None, tunings: Tunings, gr
     t = make_tensors(case)
     _settle(case, t, gradient)
     choice = auto.chosen(case.spec(), gradient, t["grad_output"])
-    assert tunings == ["one"] and choice is not None and choice.backend in auto.CANDIDATES
-    assert set(choice.times) <= set(auto.CANDIDATES)
+    racing = [b.name for b in auto.candidates(case.spec(), t["grad_output"])]
+    assert tunings == ["one"] and choice is not None and choice.backend in racing
+    assert set(choice.times) <= set(racing)
 
 
 class _Wrong(Backend):
@@ -136,8 +144,7 @@ class _Wrong(Backend):
 
 
 def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_REGISTRY, "wrong", _Wrong())
-    monkeypatch.setattr(auto, "CANDIDATES", ("wrong", "native"))
+    monkeypatch.setitem(_REGISTRY, "wrong", _Wrong())  # registered: raced
     case = CASES[0]
     t = make_tensors(case)
     for gradient in GRADIENTS:
@@ -168,14 +175,13 @@ def test_the_first_call_runs_the_candidates_on_a_slice_of_the_batch_only(tune: N
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     counting = _Counting()
     monkeypatch.setitem(_REGISTRY, "counting", counting)
-    monkeypatch.setattr(auto, "CANDIDATES", ("native", "counting"))
     case = Case((32, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name="n32")
     t = make_tensors(case)
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
     # its grad_input and grad_weight screened (a probe and a timed call each) on 4 of the 32 samples; at most one
     # call on the whole batch: the real result, when it was the fastest screened
-    sliced = [n for n in counting.seen if n == auto_tuning.screen_batch(32)]
-    assert auto_tuning.screen_batch(32) == 4 and len(sliced) >= 4
+    sliced = [n for n in counting.seen if n == tuner.screen_batch(32)]
+    assert tuner.screen_batch(32) == 4 and len(sliced) >= 4
     assert set(counting.seen) <= {4, 32} and counting.seen.count(32) <= 2  # one call computes both: 2 gradients
 
 
@@ -206,9 +212,9 @@ def test_layers_of_one_shape_share_one_tuning(tune: None, tunings: Tunings) -> N
     ({"native": 1.00, "fwdconv": 0.975, "gemm": 1.20, "split": 0.96}, "native"),
 ])
 def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, float], winner: str) -> None:
-    assert auto_tuning._winner(times) == winner
+    assert tuner._winner(times) == winner
     assert (auto.PREFER_NATIVE, auto.SPLIT_MARGIN) == (1.03, 1.05)
-    explore = auto_tuning.Exploration(tuple(times))  # native, the anchor, first
+    explore = tuner.Exploration(tuple(times))  # native, the anchor, first
     settled = None
     while settled is None:
         name, timed = explore.next()
@@ -227,7 +233,7 @@ def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, 
 ])
 def test_for_both_gradients_the_backend_that_won_each_is_the_incumbent(ratios: dict[str, float], incumbent: str,
                                                                      winner: str) -> None:
-    assert auto_tuning._winner(ratios, incumbent) == winner
+    assert tuner._winner(ratios, incumbent) == winner
 
 
 @pytest.mark.parametrize(("gi", "gw", "anchor"), [
@@ -237,8 +243,8 @@ def test_for_both_gradients_the_backend_that_won_each_is_the_incumbent(ratios: d
 def test_both_gradients_are_settled_with_the_common_fastest_as_anchor(tune: None, monkeypatch: pytest.MonkeyPatch,
                                                                       gi: dict[str, float], gw: dict[str, float],
                                                                       anchor: str) -> None:
-    screens = iter([auto_tuning.Screen(gi), auto_tuning.Screen(gw), auto_tuning.Screen({"native": 3.5})])
-    monkeypatch.setattr(auto_tuning, "screen", lambda *a, **k: next(screens))
+    screens = iter([tuner.Screen(gi), tuner.Screen(gw), tuner.Screen({"native": 3.5})])
+    monkeypatch.setattr(tuning, "screen", lambda *a, **k: next(screens))
     case = CASES[0]
     t = make_tensors(case)
     choice = auto._tune_both(case.spec(), t["grad_output"], t["input"], t["weight"])
@@ -250,13 +256,13 @@ def test_both_gradients_are_settled_with_the_common_fastest_as_anchor(tune: None
 def test_screening_drops_far_behind_options_after_timing_them_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     seconds = {"native": 1.0, "fwdconv": 1.9, "gemm": 2.1}
     calls: list[tuple[str, int]] = []
-    monkeypatch.setattr(auto_tuning, "_timed", lambda option, device: (option(), seconds[calls[-1][0]]))
+    monkeypatch.setattr(tuner, "timed", lambda option, device: (option(), seconds[calls[-1][0]]))
     options = {n: (lambda m, n=n: calls.append((n, m)) or torch.zeros(1)) for n in seconds}
-    seen = auto_tuning.screen(options, 32, torch.device("cpu"), "native", agree=lambda a, b: True)
+    seen = tuner.screen(options, 32, torch.device("cpu"), "native", agree=lambda a, b: True)
     assert seen.batch == 4 and all(m == 4 for _, m in calls)  # the slice only
     assert seen.times == pytest.approx({n: 8 * s for n, s in seconds.items()})  # scaled to the whole batch
     assert [n for n, _ in calls].count("gemm") == 3 and [n for n, _ in calls].count("fwdconv") == 2  # gemm again
-    choice = auto_tuning.decide(32, seen.times, "native")
+    choice = tuner.decide(32, seen.times, "native")
     assert choice.backend == "native" and choice.pending == ("native", "fwdconv")  # gemm is over 2x native
 
 
@@ -264,22 +270,22 @@ def test_native_is_never_dropped_by_the_screening(monkeypatch: pytest.MonkeyPatc
     """A slice can misrank: native stays among the options settled on the whole batch, however slow it screened."""
     seconds = {"native": 3.0, "fwdconv": 1.0, "gemm": 2.5}
     options = {n: (lambda m: torch.zeros(1)) for n in seconds}
-    monkeypatch.setattr(auto_tuning, "screen", lambda *a, **k: auto_tuning.Screen(
+    monkeypatch.setattr(tuner, "screen", lambda *a, **k: tuner.Screen(
         {n: 8 * t for n, t in seconds.items()}, (), {}, 4))
-    choice, out = auto_tuning.tune(options, 32, torch.device("cpu"))
+    choice, out = tuner.tune(options, 32, torch.device("cpu"))
     assert choice.backend == "fwdconv" and choice.pending == ("native", "fwdconv") and out is None  # gemm: 2.5x
 
 
 def test_a_cost_model_prunes_options_before_any_call() -> None:
     called: list[str] = []
     options = {n: (lambda m, n=n: called.append(n) or torch.ones(1)) for n in ("ghost", "unfold", "conv")}
-    choice, _ = auto_tuning.tune(options, 8, torch.device("cpu"), reference="unfold",
+    choice, _ = tuner.tune(options, 8, torch.device("cpu"), reference="unfold",
                                  estimates={"ghost": 45.0, "unfold": 10.0, "conv": 30.0})
     assert "ghost" not in called and set(called) == {"unfold", "conv"} and "ghost" not in choice.times
 
 
 def test_each_timed_call_follows_a_warm_up_call_of_the_same_option() -> None:
-    explore = auto_tuning.Exploration(("native", "fwdconv", "gemm"))
+    explore = tuner.Exploration(("native", "fwdconv", "gemm"))
     calls: list[tuple[str, bool]] = []
     while len(calls) < 12:
         name, timed = explore.next()
@@ -299,7 +305,7 @@ def test_each_timed_call_follows_a_warm_up_call_of_the_same_option() -> None:
 ])
 def test_close_calls_get_more_rounds_among_the_options_still_in_them(seconds: dict[str, float],
                                                                       rounds: tuple[int, int, int]) -> None:
-    explore = auto_tuning.Exploration(tuple(seconds))
+    explore = tuner.Exploration(tuple(seconds))
     settled = None
     while settled is None:
         name, timed = explore.next()
@@ -319,15 +325,15 @@ def _slower_than_tuned(key: Any, factor: float) -> None:
 
 def test_a_choice_that_slows_down_is_tuned_again_at_most_twice(tune: None, tunings: Tunings,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auto_cache, "_DRIFT_MIN_S", 0.0)  # watch this tiny layer too
-    monkeypatch.setattr(auto_cache, "_DRIFT", 1e3)  # only the pretended slowdown (1e6), not a busy machine's
+    monkeypatch.setattr(store, "DRIFT_MIN_S", 0.0)  # watch this tiny layer too
+    monkeypatch.setattr(store, "DRIFT", 1e3)  # only the pretended slowdown (1e6), not a busy machine's
     case = CASES[0]
     t = make_tensors(case)
     _settle(case, t, "grad_input")
     key = auto._key(case.spec(), "grad_input", t["grad_output"])
     for before, after in ((1, 2), (2, 3), (3, 3)):  # the third slowdown is not watched any more: _MAX_RETUNES
         _slower_than_tuned(key, 1e6)
-        for _ in range(auto._DRIFT_CALLS):
+        for _ in range(store.DRIFT_CALLS):
             _one(case, t, "grad_input")
         assert len(tunings) == before
         _settle(case, t, "grad_input")
@@ -336,13 +342,13 @@ def test_a_choice_that_slows_down_is_tuned_again_at_most_twice(tune: None, tunin
 
 def test_a_choice_that_keeps_its_speed_is_not_tuned_again(tune: None, tunings: Tunings,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auto_cache, "_DRIFT_MIN_S", 0.0)
+    monkeypatch.setattr(store, "DRIFT_MIN_S", 0.0)
     case = CASES[2]
     t = make_tensors(case)
     _settle(case, t)
     assert tunings == ["both"]
     _slower_than_tuned(auto._key(case.spec(), "both", t["grad_output"]), 1e-6)  # tuned 1e6 times slower
-    for _ in range(2 * auto._DRIFT_CALLS):
+    for _ in range(2 * store.DRIFT_CALLS):
         assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
     assert tunings == ["both"]
 
@@ -383,9 +389,9 @@ def test_winners_persist_to_the_cache_file_and_load_back(tune: None, tmp_path: A
     t = make_tensors(case)
     _settle(case, t)
     data = json.loads(path.read_text())
-    assert data["torch"] == torch.__version__ and data["format"] == auto_cache.FORMAT and len(data["choices"]) == 1
+    assert data["torch"] == torch.__version__ and data["format"] == store.FORMAT and len(data["choices"]) == 1
     entry = next(iter(data["choices"].values()))
-    assert entry["backend"] in (*auto.CANDIDATES, "split") and entry["pending"] == []  # settled, then saved again
+    assert entry["backend"] in (*cg.backends(), "split") and entry["pending"] == []  # settled, then saved again
     auto.clear()
     monkeypatch.setattr(auto, "_tune_both", lambda *a: pytest.fail("tuned although the cache file has the winner"))
     assert_matches_autograd(_grads(case, t), reference_grads(case, t), torch.float64, str(case))
@@ -459,7 +465,7 @@ def test_persistence_is_off_by_default_and_on_by_env(value: str, expected: str |
 def test_modes_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="mode='fast'"):
         auto.set_mode("fast")
-    monkeypatch.setattr(auto, "_mode", None)
+    monkeypatch.setattr(modes, "_mode", None)  # not read from the environment yet
     monkeypatch.setenv("CONVGRAD_AUTOTUNE", "sometimes")
     with pytest.raises(ValueError, match="CONVGRAD_AUTOTUNE='sometimes'"):
         auto.get_mode()
@@ -474,3 +480,49 @@ def test_complex_tensors_tune_only_among_complex_backends(tune: None) -> None:
     choice = auto.chosen(case.spec(), "both", t["grad_output"])
     assert choice is not None and all(get_backend(n).supports_complex for n in choice.times if n != "split")
     assert all(get_backend(n).supports_complex for n in choice.parts)
+
+
+TOY = """
+from convgrad.backends import Backend, get_backend, register
+
+
+@register
+class ToyBackend(Backend):
+    name = "toy"
+
+    def can_serve(self, spec, like):
+        return spec.groups == 2  # a rule of its own: only grouped layers
+
+    def input_grad(self, spec, weight, grad_output):
+        return get_backend("native").input_grad(spec, weight, grad_output)
+
+    def weight_grad(self, spec, input, grad_output):
+        return get_backend("native").weight_grad(spec, input, grad_output)
+"""
+
+
+def test_a_backend_in_one_file_with_the_decorator_is_raced_by_auto(tune: None, tmp_path: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adding a backend is one file and ``@register``: no list in backends/__init__.py or auto to edit. Auto
+    races it where its ``can_serve`` lets it in, and nowhere else. Mutant: auto's old hand-kept CANDIDATES tuple
+    never raced it."""
+    (tmp_path / "toy_backend.py").write_text(TOY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(backends_package, "_REGISTRY", dict(_REGISTRY))  # the toy leaves with the test
+    monkeypatch.delitem(sys.modules, "toy_backend", raising=False)
+    importlib.import_module("toy_backend")
+    assert "toy" in cg.backends()
+    grouped, plain = CASES[1], CASES[0]  # groups=2, groups=1
+    for case, raced in ((grouped, True), (plain, False)):
+        t = make_tensors(case)
+        assert ("toy" in [b.name for b in auto.candidates(case.spec(), t["grad_output"])]) is raced
+        _settle(case, t, "grad_weight")
+        choice = auto.chosen(case.spec(), "grad_weight", t["grad_output"])
+        assert choice is not None and ("toy" in choice.times or "toy" in choice.rejected) is raced, choice
+
+
+def test_every_module_of_the_backends_package_is_loaded() -> None:
+    """The registry imports the package's modules by discovery (pkgutil), so none is left out."""
+    cg.backends()
+    names = {m.name for m in pkgutil.iter_modules(backends_package.__path__)}
+    assert names and all(f"convgrad.backends.{n}" in sys.modules for n in names), names

@@ -82,12 +82,12 @@ def test_auto_races_it_only_where_it_can_serve() -> None:
     grouped = ConvSpec.from_shapes((2, 16, 5, 9, 9), (16, 2, 3, 3, 3), padding=1, groups=8)
     dense = ConvSpec.from_shapes((2, 16, 9, 9), (16, 16, 3, 3), padding=1)
     like = torch.zeros(grouped.output_shape)
-    names = {b.name for b in auto._candidates(grouped, like)}
+    names = {b.name for b in auto.candidates(grouped, like)}
     assert {"native", "fwdconv", "channels_last"} <= names
-    assert "channels_last" not in {b.name for b in auto._candidates(dense, torch.zeros(dense.output_shape))}
-    assert "channels_last" not in {b.name for b in auto._candidates(grouped, like.double())}  # no oneDNN kernels
+    assert "channels_last" not in {b.name for b in auto.candidates(dense, torch.zeros(dense.output_shape))}
+    assert "channels_last" not in {b.name for b in auto.candidates(grouped, like.double())}  # no oneDNN kernels
     cl = like.contiguous(memory_format=torch.channels_last_3d)
-    assert "channels_last" not in {b.name for b in auto._candidates(grouped, cl)}  # native is that very call
+    assert "channels_last" not in {b.name for b in auto.candidates(grouped, cl)}  # native is that very call
 
 
 @pytest.mark.parametrize(("x_shape", "w_shape", "stride", "padding"), [

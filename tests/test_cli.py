@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from convgrad import cli
+from convgrad.errors import ConvgradValueError, MethodRefused
 
 CONFIG = ["--input", "2,4,9,9", "--weight", "6,2,3,3", "--stride", "2", "--groups", "2"]
 TINY = ["--input", "1,1,5", "--weight", "1,1,3"]  # its picture draws in a fraction of CONFIG's time
@@ -215,3 +216,37 @@ def test_library_prefixes_are_not_repeated(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["bench", "--suite", "smoke", "--threads", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("convgrad bench: error: --threads=0") and err.count("convgrad bench") == 1, err
+
+
+@pytest.mark.parametrize("error", [ConvgradValueError("check: --random=0 must be positive"),
+                                   MethodRefused("explain", "blocks", "needs stride 1 in every dim"),
+                                   FileNotFoundError(2, "No such file or directory", "x/y.png")])
+def test_a_user_error_is_one_line_with_status_2(error: Exception, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Only convgrad's typed errors (convgrad.errors) and OSError are a user's: one line, exit 2."""
+    def fails(args: Any) -> int:
+        raise error
+
+    monkeypatch.setattr("convgrad.cli.check.run", fails)
+    assert cli.main(["check", *CONFIG]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convgrad check: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("error", [TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'"),
+                                   ValueError("not enough values to unpack (expected 2, got 1)"),
+                                   KeyError("grad_input"), AssertionError(), RuntimeError("shape mismatch")])
+def test_any_other_exception_is_a_bug_with_its_traceback(error: Exception, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A library bug (a plain TypeError or ValueError raised by Python itself, not a ConvgradError) is not dressed
+    as a user error: the traceback, a line saying it is a bug to report on the issue tracker, exit 1. Mutant: the
+    old ``except (ValueError, TypeError, OSError)`` turned the first two into one line with status 2."""
+    def fails(args: Any) -> int:
+        raise error
+
+    monkeypatch.setattr("convgrad.cli.check.run", fails)
+    assert cli.main(["check", *CONFIG]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and f"{type(error).__name__}" in err, err
+    assert err.rstrip().splitlines()[-1].startswith("convgrad check: internal error: this is a bug in convgrad"), err
+    assert "report it on the issue tracker" in err

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 import convgrad as cg
-from convgrad.backends import auto
+from convgrad.tuning import modes
 from helpers import TOL
 
 F64 = torch.float64
@@ -37,7 +37,7 @@ def _run(script: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 def test_auto_with_one_gradient_compiles_in_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model's first layer needs grad_weight alone; auto's lookup key called torch.get_num_threads, which Dynamo
     cannot trace. While compiling, auto runs native for one gradient as it already did for both."""
-    monkeypatch.setattr(auto, "_mode", "tune")
+    monkeypatch.setattr(modes, "_mode", "tune")
     torch._dynamo.reset()
     torch.manual_seed(0)
     ours, ref = cg.nn.Conv2d(2, 3, 3, stride=2).double(), torch.nn.Conv2d(2, 3, 3, stride=2).double()

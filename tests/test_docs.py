@@ -427,3 +427,57 @@ def test_first_call_table_is_written_between_the_markers(tmp_path: Path) -> None
     page.write_text("no markers\n")
     with pytest.raises(SystemExit, match="markers"):
         first_call_cost.write("| new |\n", page)
+
+
+# ---- docs/design.md's picture of the package is the package -------------------------------------------------------
+
+def _design_block(name: str) -> str:
+    text = (DOCS / "design.md").read_text()
+    return text.split(f"<!-- {name}:", 1)[1].split(f"<!-- /{name} -->", 1)[0]
+
+
+def design_layers(block: str) -> list[set[str]]:
+    """The picture's rows, top to bottom, each the set of modules in its first column."""
+    rows = [line.split("│")[1] for line in block.splitlines() if line.startswith("│")]
+    return [{m.strip() for m in row.split("|")} for row in rows]
+
+
+def test_design_layer_picture_is_the_contract_lint_imports_enforces() -> None:
+    """The layers drawn in docs/design.md are, row for row, the layers contract of pyproject.toml (.ci/run's
+    lint-imports); a layer added, moved or dropped in one and not the other fails."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (layers,) = [c["layers"] for c in config["contracts"] if c["type"] == "layers"]
+    enforced = [{m.strip().removeprefix("convgrad.") for m in layer.split("|")} for layer in layers]
+    assert design_layers(_design_block("layers")) == enforced
+
+
+def test_design_package_table_lists_every_module_of_the_package() -> None:
+    import convgrad
+
+    root = Path(convgrad.__file__).parent
+    actual = {p.name + ("/" if p.is_dir() else "") for p in root.iterdir()
+              if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    listed = set(re.findall(r"`([\w.]+/?)`", "\n".join(line.split("|")[1] for line in
+                                                    _design_block("package").splitlines() if line.startswith("| `"))))
+    assert listed == actual, (sorted(actual - listed), sorted(listed - actual))
+
+
+def test_design_call_path_names_only_what_exists() -> None:
+    """Every ``convgrad.x.y`` the page's path of a call names resolves: a module renamed or a function moved
+    (issue 27 moves fwdconv into a package) fails here until the page follows."""
+    names = re.findall(r"`(convgrad(?:\.\w+)+)`", _design_block("path"))
+    assert len(names) >= 8
+    for name in names:
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj: Any = importlib.import_module(".".join(parts[:cut]))
+            except ModuleNotFoundError:
+                continue
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            break
+        else:
+            raise AssertionError(f"{name}: no such module")

@@ -1,5 +1,8 @@
 """Every bad input is answered by a ValueError or TypeError naming the function, the parameter and the values.
 
+Each is a ``convgrad.errors.ConvgradError`` too (the command line shows exactly those as one line), and refusals
+carry their fields (``MethodRefused``) so that nothing parses a message.
+
 One table row per distinct invalid call. None may end in a RuntimeError from deep inside torch, a
 segfault or a silent broadcast: pytest.raises fails on any other exception, and on no exception.
 """
@@ -7,6 +10,7 @@ segfault or a silent broadcast: pytest.raises fails on any other exception, and 
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,6 +21,9 @@ import torch
 
 import convgrad as cg
 from convgrad.backends import Backend, get_backend
+from convgrad.backends.fwdconv import plan_input_grad, plan_weight_grad
+from convgrad.errors import ConvgradError, ConvgradTypeError, ConvgradValueError, MethodRefused
+from convgrad.spec import ConvSpec
 
 F64 = torch.float64
 
@@ -172,7 +179,38 @@ def test_table_has_at_least_30_distinct_calls() -> None:
 def test_invalid_call_raises_clear_error(call: Callable[[], Any], exc: type[Exception], match: str) -> None:
     with pytest.raises(exc, match=match) as info:
         call()
-    assert type(info.value) in (ValueError, TypeError), f"{type(info.value).__name__}: {info.value}"
+    assert type(info.value) in (ConvgradValueError, ConvgradTypeError), f"{type(info.value).__name__}: {info.value}"
+
+
+def test_the_error_types_keep_the_builtin_classes() -> None:
+    """``except ValueError`` / ``except TypeError`` written before the types still catch them."""
+    assert issubclass(ConvgradValueError, ValueError) and issubclass(ConvgradTypeError, TypeError)
+    assert issubclass(MethodRefused, ConvgradValueError) and issubclass(ConvgradValueError, ConvgradError)
+
+
+@pytest.mark.parametrize(("build", "method", "reason"), [
+    (plan_weight_grad, "blocks", "needs stride 1 in every dim"),
+    (plan_weight_grad, "phases", "needs dilation 1 in every dim"),
+    (plan_input_grad, "subpixel", "needs dilation dividing stride and a phase with taps in every dim"),
+])
+def test_a_refused_method_carries_its_fields(build: Callable[..., Any], method: str, reason: str) -> None:
+    """The refusal is read from its fields, and survives pickling (a DataLoader worker, DDP)."""
+    spec = ConvSpec.from_shapes((2, 4, 9, 9), (4, 1, 3, 3), stride=2, padding=1, dilation=3, groups=4)
+    with pytest.raises(MethodRefused) as info:
+        build(spec, method)
+    err = info.value
+    assert (err.method, err.reason, err.layer.startswith(spec.describe())) == (method, reason, True)
+    again = pickle.loads(pickle.dumps(err))
+    assert (type(again), str(again), again.reason) == (MethodRefused, str(err), reason)
+
+
+def test_explain_rewords_a_refusal_from_its_reason() -> None:
+    """explain's message takes the builder's reason field (it split the builder's message on "; " before)."""
+    with pytest.raises(MethodRefused) as info:
+        cg.explain((2, 4, 9, 9), (4, 4, 3, 3), stride=2, weight_method="blocks")
+    assert info.value.param == "weight_method" and info.value.method == "blocks"
+    assert str(info.value).startswith("explain: weight_method='blocks' cannot serve ")
+    assert str(info.value).endswith(": needs stride 1 in every dim")
 
 
 @pytest.mark.parametrize("backend", [b for b in cg.backends() if not get_backend(b).supports_complex])

@@ -250,7 +250,7 @@ def test_suggested_format_is_torchs() -> None:
     expanded, size-0 and size-1 layouts."""
     from torch._prims_common import suggest_memory_format
 
-    from convgrad.backends.layout import _suggested
+    from convgrad.backends.memory_format import _suggested
 
     g = torch.Generator().manual_seed(0)
     tried = set()

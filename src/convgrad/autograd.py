@@ -21,6 +21,7 @@ from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.backends.auto import forward as auto_forward
 from convgrad.backends.native import forward as native_forward
 from convgrad.checks import check_tensor, check_tensors, check_untraced
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 from convgrad.tensor_ops import bias_grad
 
@@ -214,19 +215,20 @@ def _unexpand(fn: str, input: Any, weight: Any, bias: Any) -> tuple[Any, Any, _E
         return weight, bias, None
     for name, t in (("weight", weight), ("bias", bias)):
         if isinstance(t, torch.Tensor) and not isinstance(t, ew_type) and t.requires_grad:
-            raise ValueError(f"{fn}: {name} requires grad but is not an ExpandedWeight while another operand is; "
-                             f"ExpandedWeights needs every parameter expanded")
+            raise ConvgradValueError(
+                f"{fn}: {name} requires grad but is not an ExpandedWeight while another operand is; "
+                f"ExpandedWeights needs every parameter expanded")
     expanded = _Expanded(weight if isinstance(weight, ew_type) else None, bias if isinstance(bias, ew_type) else None)
     unwrap = lambda t: t.orig_weight if isinstance(t, ew_type) else t  # noqa: E731
     weight, bias = unwrap(weight), unwrap(bias)
     if (isinstance(input, ew_type) or not isinstance(input, torch.Tensor) or not isinstance(weight, torch.Tensor)
             or input.dim() != weight.dim()):
-        raise ValueError(f"{fn}: ExpandedWeights needs a batched input (N, C_in, *spatial), got input.shape="
-                         f"{tuple(getattr(input, 'shape', ()))} for weight.shape={tuple(weight.shape)}")
+        raise ConvgradValueError(f"{fn}: ExpandedWeights needs a batched input (N, C_in, *spatial), got input.shape="
+                                 f"{tuple(getattr(input, 'shape', ()))} for weight.shape={tuple(weight.shape)}")
     sizes = {ew.batch_size for ew in (expanded.weight, expanded.bias) if ew is not None}
     if sizes != {input.shape[0]}:
-        raise ValueError(f"{fn}: ExpandedWeight batch size {sorted(sizes)} does not match the input's batch "
-                         f"{input.shape[0]}")
+        raise ConvgradValueError(f"{fn}: ExpandedWeight batch size {sorted(sizes)} does not match the input's batch "
+                                 f"{input.shape[0]}")
     return weight, bias, expanded
 
 
@@ -234,8 +236,8 @@ def _check_differentiation(fn: str, backend: Backend, **tensors: torch.Tensor) -
     """In the backward of a backend autograd cannot see through: no transform, no second derivative."""
     check_untraced(fn, backend, tensors, returns_gradients=False)
     if torch.is_grad_enabled():
-        raise ValueError(f"{fn}: backend={backend.name!r} is not differentiable; a second derivative "
-                         f"(create_graph=True) needs one of {traceable_names()}")
+        raise ConvgradValueError(f"{fn}: backend={backend.name!r} is not differentiable; a second derivative "
+                                 f"(create_graph=True) needs one of {traceable_names()}")
 
 
 def _autocast(fn: str, backend: Backend, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -263,10 +265,10 @@ def _autocast(fn: str, backend: Backend, tensors: dict[str, Any]) -> dict[str, A
             try:
                 backend.check_operand(fn, name, t)
             except TypeError:
-                raise TypeError(f"{fn}: backend={backend.name!r} cannot run inside torch.autocast("
-                                f"{device_type!r}), which casts {name} (torch.float32) to a dtype this backend "
-                                f"does not compute in; run this call with torch.autocast({device_type!r}, "
-                                f"enabled=False) or use one of {traceable_names()}") from None
+                raise ConvgradTypeError(f"{fn}: backend={backend.name!r} cannot run inside torch.autocast("
+                                        f"{device_type!r}), which casts {name} (torch.float32) to a dtype this backend "
+                                        f"does not compute in; run this call with torch.autocast({device_type!r}, "
+                                        f"enabled=False) or use one of {traceable_names()}") from None
     return cast
 
 
@@ -294,12 +296,12 @@ def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     compiling = torch.compiler.is_compiling()
     transformed = compiling and torch._C._are_functorch_transforms_active()
     if transformed and _weight_gradients_disabled:
-        raise ValueError(_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM.format(fn=fn))
+        raise ConvgradValueError(_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM.format(fn=fn))
     make = ConvSpec._validated if compiling else ConvSpec.from_shapes  # Dynamo breaks the graph on from_shapes's memo
     spec = make(shape_of(input), shape_of(weight), stride, padding, dilation, transposed, output_padding, groups,
                 fn=fn)
     if bias is not None and shape_of(bias) != (spec.out_channels,):
-        raise ValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
+        raise ConvgradValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
     if transformed:
         # Dynamo differentiates the forward of a transformed Function anyway (pytorch/pytorch#193279), and cannot
         # vmap its wrapper (ApplyTemplate) where one conv feeds another: trace the forward itself
@@ -387,7 +389,7 @@ def _fixed_rank(n: int, transposed: bool) -> Any:
 
     def check(weight: Any) -> None:
         if isinstance(weight, torch.Tensor) and weight.dim() != n + 2:
-            raise ValueError(f"{name}: weight.shape={tuple(weight.shape)} must have {n + 2} dims")
+            raise ConvgradValueError(f"{name}: weight.shape={tuple(weight.shape)} must have {n + 2} dims")
 
     if transposed:
         def f(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: IntOrTuple = 1,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from convgrad.backends import traceable_names
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec, ntuple
 
 if TYPE_CHECKING:
@@ -28,13 +29,14 @@ def check_tensor(fn: str, name: str, t: Any, *, complex_ok: bool = True) -> torc
         TypeError: ``t`` is None, not a tensor, or of another dtype.
     """
     if t is None:
-        raise TypeError(f"{fn}: {name} is None, but a tensor is required")
+        raise ConvgradTypeError(f"{fn}: {name} is None, but a tensor is required")
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ConvgradTypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if complex_ok and not (t.is_floating_point() or t.is_complex()):
-        raise TypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a floating point (or complex) dtype")
+        raise ConvgradTypeError(
+            f"{fn}: {name}.dtype={t.dtype} is not supported; use a floating point (or complex) dtype")
     if not complex_ok and not t.is_floating_point():
-        raise TypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a real floating dtype")
+        raise ConvgradTypeError(f"{fn}: {name}.dtype={t.dtype} is not supported; use a real floating dtype")
     return t
 
 
@@ -47,9 +49,9 @@ def check_same_kind(fn: str, tensors: dict[str, torch.Tensor]) -> None:
     (first, ref), *rest = tensors.items()
     for name, t in rest:
         if t.dtype != ref.dtype:
-            raise TypeError(f"{fn}: {name}.dtype={t.dtype} does not match {first}.dtype={ref.dtype}")
+            raise ConvgradTypeError(f"{fn}: {name}.dtype={t.dtype} does not match {first}.dtype={ref.dtype}")
         if t.device != ref.device:
-            raise ValueError(f"{fn}: {name}.device={t.device} does not match {first}.device={ref.device}")
+            raise ConvgradValueError(f"{fn}: {name}.device={t.device} does not match {first}.device={ref.device}")
 
 
 def check_tensors(fn: str, backend: Backend, *, results_in_graph: bool = False, **tensors: Any) -> None:
@@ -79,15 +81,17 @@ def check_untraced(fn: str, backend: Backend, tensors: dict[str, torch.Tensor], 
     tensors that require grad, whose gradients would come back silently detached from the graph."""
     for name, t in tensors.items():
         if transformed(t):
-            raise ValueError(f"{fn}: backend={backend.name!r} does not support torch.func transforms (grad, vjp, "
-                             f"jacrev, vmap, ...) nor is_grads_batched, but {name} comes from one; use one of "
-                             f"{traceable_names()}")
+            raise ConvgradValueError(
+                f"{fn}: backend={backend.name!r} does not support torch.func transforms (grad, vjp, "
+                f"jacrev, vmap, ...) nor is_grads_batched, but {name} comes from one; use one of "
+                f"{traceable_names()}")
     tracked = [name for name, t in tensors.items() if t.requires_grad]
     if returns_gradients and tracked and torch.is_grad_enabled():
-        raise ValueError(f"{fn}: backend={backend.name!r} computes outside autograd, but "
-                         f"{tracked[0]}.requires_grad=True: the gradients would come back silently detached from "
-                         f"the graph; pass detached tensors, call it under torch.no_grad(), or use one of "
-                         f"{traceable_names()}")
+        raise ConvgradValueError(
+            f"{fn}: backend={backend.name!r} computes outside autograd, but "
+            f"{tracked[0]}.requires_grad=True: the gradients would come back silently detached from "
+            f"the graph; pass detached tensors, call it under torch.no_grad(), or use one of "
+            f"{traceable_names()}")
 
 
 def check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:
@@ -98,7 +102,7 @@ def check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:
         ValueError: a negative entry.
     """
     if isinstance(size, torch.Tensor) or not isinstance(size, Sequence) or isinstance(size, str):
-        raise TypeError(f"{fn}: {name}={size!r} must be a sequence of ints such as torch.Size")
+        raise ConvgradTypeError(f"{fn}: {name}={size!r} must be a sequence of ints such as torch.Size")
     return ntuple(fn, name, tuple(size), len(size), 0)  # errors name `name`, not the spec's "input.shape"
 
 
@@ -110,5 +114,5 @@ def check_grad_output(fn: str, spec: ConvSpec, grad_output: torch.Tensor) -> Non
     """
     expected = spec.output_shape[1:] if spec.unbatched else spec.output_shape
     if tuple(grad_output.shape) != expected:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
-                         f"{expected} of {spec.describe()}")
+        raise ConvgradValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
+                                 f"{expected} of {spec.describe()}")

@@ -16,6 +16,7 @@ import torch
 
 from convgrad.backends import Backend, backend_names, get_backend
 from convgrad.checks import check_grad_output, check_size, check_tensor, check_tensors
+from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask
 from convgrad.tensor_ops import bias_grad
 
@@ -286,13 +287,13 @@ def conv_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     fn = "conv_bias_grad"
     check_tensor(fn, "grad_output", grad_output)
     if grad_output.dim() < 3:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
+        raise ConvgradValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
     return bias_grad(grad_output)
 
 
 def _nd(fn: str, n: int, name: str, shape: Sequence[int]) -> None:
     if len(shape) != n + 2:
-        raise ValueError(f"{fn}: {name} has {len(shape)} dims; a {n}d convolution needs {n + 2}")
+        raise ConvgradValueError(f"{fn}: {name} has {len(shape)} dims; a {n}d convolution needs {n + 2}")
 
 
 def _make_nn_grad(n: int) -> tuple[Any, Any]:

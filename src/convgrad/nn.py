@@ -25,6 +25,7 @@ from torch import Tensor
 
 from convgrad.autograd import SCRIPT_UNSUPPORTED, _apply, shape_of
 from convgrad.backends import get_backend
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad
 
@@ -60,7 +61,7 @@ class _ConvgradMixin:
         padding = bound.arguments.get("padding", 0)
         same = isinstance(padding, str) and padding == "same"
         if same and issubclass(type(self), torch.nn.modules.conv._ConvTransposeNd):
-            raise ValueError(f"{name}: padding='same' is not defined for a transposed convolution")
+            raise ConvgradValueError(f"{name}: padding='same' is not defined for a transposed convolution")
         if same:
             # torch's constructor refuses 'same' with stride > 1; ConvSpec resolves it per input size (TF/JAX rule)
             bound.arguments["padding"] = 0
@@ -94,11 +95,11 @@ class _ConvgradMixin:
         name = self._name()
         if not self.transposed:
             if output_size is not None:
-                raise TypeError(f"{name}.forward: output_size is only for transposed convolutions")
+                raise ConvgradTypeError(f"{name}.forward: output_size is only for transposed convolutions")
             return super().forward(input)  # type: ignore[misc]  # torch's forward calls _conv_forward above
         if self.padding_mode != "zeros":
-            raise ValueError(f"{name}: padding_mode={self.padding_mode!r}; a transposed convolution "
-                             f"supports only 'zeros' (as in torch)")
+            raise ConvgradValueError(f"{name}: padding_mode={self.padding_mode!r}; a transposed convolution "
+                                     f"supports only 'zeros' (as in torch)")
         n = len(self.kernel_size)
         output_padding = self._output_padding(  # type: ignore[attr-defined]  # torch's rule and its errors
             input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation)
@@ -108,7 +109,7 @@ class _ConvgradMixin:
     def __prepare_scriptable__(self) -> Any:
         """torch.jit.script calls this first: refuse with the ways that work (a TorchScript graph cannot hold the
         Python backward of convgrad's autograd.Function)."""
-        raise TypeError(SCRIPT_UNSUPPORTED.format(fn=f"{self._name()}: torch.jit.script"))
+        raise ConvgradTypeError(SCRIPT_UNSUPPORTED.format(fn=f"{self._name()}: torch.jit.script"))
 
     def extra_repr(self) -> str:
         s: str = super().extra_repr()  # type: ignore[misc]
@@ -306,8 +307,9 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
         if not isinstance(module, _TORCH_CONVS):
             continue
         if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
-            raise ValueError(f"patch: module {name or type(module).__name__!r} is an uninitialised lazy module; "
-                             f"run one forward pass before patching")
+            raise ConvgradValueError(
+                f"patch: module {name or type(module).__name__!r} is an uninitialised lazy module; "
+                f"run one forward pass before patching")
         if not isinstance(module, _ConvgradMixin):
             inner, outer = _layers(module)
             _set_class(module, _patched_class(inner), outer)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, check_bias_sizes, check_output_mask, pad_then_crop
 
 __all__ = ["DTYPES", "backward", "conv", "conv_backward", "conv_transpose", "forward"]
@@ -141,8 +142,8 @@ def conv_backward(grad_output: Array, input: Array, weight: Array, bias_sizes: S
                                 groups, fn=fn)
     expected = spec.output_shape[1:] if spec.unbatched else spec.output_shape
     if tuple(grad_output.shape) != expected:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
-                         f"{expected} of {spec.describe()}")
+        raise ConvgradValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} does not match the output shape "
+                                 f"{expected} of {spec.describe()}")
     check_bias_sizes(fn, bias_sizes, spec.out_channels)
     mask = check_output_mask(fn, output_mask)
     if spec.unbatched:
@@ -289,13 +290,13 @@ def _check_arrays(fn: str, **arrays: Any) -> None:
         if a is None:
             continue
         if not isinstance(a, np.ndarray):
-            raise TypeError(f"{fn}: {name} must be a numpy.ndarray, got {type(a).__name__}")
+            raise ConvgradTypeError(f"{fn}: {name} must be a numpy.ndarray, got {type(a).__name__}")
         if a.dtype not in DTYPES:
-            raise TypeError(f"{fn}: {name}.dtype={a.dtype} is not supported; use float32 or float64")
+            raise ConvgradTypeError(f"{fn}: {name}.dtype={a.dtype} is not supported; use float32 or float64")
         if first is None:
             first = (name, a.dtype)
         elif a.dtype != first[1]:
-            raise TypeError(f"{fn}: {name}.dtype={a.dtype} does not match {first[0]}.dtype={first[1]}")
+            raise ConvgradTypeError(f"{fn}: {name}.dtype={a.dtype} does not match {first[0]}.dtype={first[1]}")
 
 
 def _apply(name: str, input: Array, weight: Array, bias: Array | None, stride: IntOrTuple, padding: PaddingArg,
@@ -305,6 +306,6 @@ def _apply(name: str, input: Array, weight: Array, bias: Array | None, stride: I
     spec = ConvSpec.from_shapes(input.shape, weight.shape, stride, padding, dilation, transposed, output_padding,
                                 groups, fn=fn)
     if bias is not None and tuple(bias.shape) != (spec.out_channels,):
-        raise ValueError(f"{fn}: bias.shape={tuple(bias.shape)} must be (out_channels,)=({spec.out_channels},)")
+        raise ConvgradValueError(f"{fn}: bias.shape={tuple(bias.shape)} must be (out_channels,)=({spec.out_channels},)")
     out = forward(spec, input[None] if spec.unbatched else input, weight, bias)
     return out[0] if spec.unbatched else out

@@ -2,19 +2,24 @@
 
 A backend is a class with ``input_grad`` and ``weight_grad`` (and optionally a
 fused ``backward``) that receives a validated ``ConvSpec``
-and batched tensors, never raw user arguments. Adding a backend means adding a
-file here that defines a subclass of ``Backend`` decorated with
-``register``, and importing it in ``_load_builtin``. Callers go through
+and batched tensors, never raw user arguments. Adding a backend means adding one
+file here that defines a subclass of ``Backend`` decorated with ``register``: the
+modules of this package are discovered on first use, and "auto" races every
+registered backend whose ``can_serve`` says it may. Callers go through
 ``Backend.gradients``, which returns each gradient in the memory format
-torch's own backward gives it (``layout.py``), so that no backend has to get layouts right by itself.
+torch's own backward gives it (``memory_format.py``), so that no backend has to get layouts right by itself.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import sys
 import types
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 
 if TYPE_CHECKING:
     import torch
@@ -41,12 +46,18 @@ class Backend(ABC):
     differentiable: ClassVar[bool] = True
     supports_complex: ClassVar[bool] = False
 
+    def can_serve(self, spec: ConvSpec, like: torch.Tensor) -> bool:
+        """Whether "auto" should race this backend for this layer on tensors like ``like`` (grad_output, or the
+        input of a forward): a cheap rule saying where it can differ from native. Default: everywhere; auto still
+        times it and checks its result against native's."""
+        return True
+
     def check_operand(self, fn: str, name: str, t: torch.Tensor) -> None:
         """Raise TypeError (a dtype) or ValueError (a device) where this backend cannot compute with ``t``,
         naming ``fn``, the tensor's ``name`` and the value; called on every tensor a user passes."""
         if t.is_complex() and not self.supports_complex:
-            raise TypeError(f"{fn}: backend={self.name!r} does not support complex dtypes ({t.dtype}); "
-                            f"use backend='native' or 'fwdconv'")
+            raise ConvgradTypeError(f"{fn}: backend={self.name!r} does not support complex dtypes ({t.dtype}); "
+                                    f"use backend='native' or 'fwdconv'")
 
     @abstractmethod
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -79,7 +90,7 @@ class Backend(ABC):
         gradient already in torch's layout is not copied. ``input`` or ``weight`` is None when its gradient
         alone is asked for (then, as in torch.nn.grad, the missing tensor has no layout of its own).
         """
-        from convgrad.backends.layout import like_torch  # here: this package must import without torch
+        from convgrad.backends.memory_format import like_torch  # here: this package must import without torch
 
         gi, gw = self.backward(spec, grad_output, input, weight, need_input, need_weight)
         return like_torch(spec, grad_output, input, weight, gi, gw)
@@ -109,17 +120,13 @@ def register(cls: _B) -> _B:
 
 
 def _load_builtin() -> None:
+    """Import every module of this package, so that each ``@register`` runs: no list of backends to keep.
+
+    Here, not at module top, so that ``convgrad.spec`` and the NumPy path never need torch."""
     global _loaded
     _loaded = True
-    # Imported here, not at module top, so that `convgrad.spec` and the NumPy path never need torch.
-    from convgrad.backends import auto, channels_last, chunked, fft, fwdconv, native, regroup  # noqa: F401
-
-    for optional in ("gemm", "numpy"):
-        try:
-            __import__(f"convgrad.backends.{optional}")
-        except ModuleNotFoundError as err:
-            if err.name != f"convgrad.backends.{optional}":
-                raise
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
 
 
 def backend_names() -> list[str]:
@@ -139,11 +146,11 @@ def get_backend(name: str, fn: str = "convgrad") -> Backend:
     if not _loaded:
         _load_builtin()
     if not isinstance(name, str):
-        raise TypeError(f"{fn}: backend={name!r} must be a string, one of {backend_names()}")
+        raise ConvgradTypeError(f"{fn}: backend={name!r} must be a string, one of {backend_names()}")
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"{fn}: backend={name!r} is not registered; choose one of {backend_names()}") from None
+        raise ConvgradValueError(f"{fn}: backend={name!r} is not registered; choose one of {backend_names()}") from None
 
 
 class _CallableModule(types.ModuleType):

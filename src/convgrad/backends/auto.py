@@ -1,11 +1,11 @@
 """The "auto" backend: per configuration and per gradient, the fastest backend that agrees with native.
 
-Contraction: whichever candidate wins (native, fwdconv, gemm; see their files), separately for
+Contraction: whichever candidate wins (every registered backend that can serve, ``candidates``), separately for
 grad_input and grad_weight, because the fastest formulation differs per gradient and per layer.
 
 Like ``torch.backends.cudnn.benchmark``: the first time a (configuration, gradient, dtype, device,
 memory format, thread count) is seen, batch sizes counted up to the next power of two, the
-candidates are tuned by ``convgrad.backends.auto_tuning``. Each runs on a slice of the batch (an
+candidates are tuned by ``convgrad.tuning`` (its tuner). Each runs on a slice of the batch (an
 eighth, at least 4 samples): once as a probe checked against native (one that disagrees is never
 chosen), once timed. Those over 2x the fastest there are dropped, native never: a slice can
 misrank the options (per-sample speeds move with the batch), so native always takes part in
@@ -27,19 +27,14 @@ The cost of the first call: the screening, two calls of every option on the slic
 gradients: each backend's grad_input and grad_weight, and the own backward of native and gemm),
 about a quarter of a call per option; afterwards, only the difference in speed while a slower
 survivor runs. Layers of the same configuration share one tuning, so a network pays once per
-distinct layer shape and batch bucket. Measured on 2 busy shared cores (CPU time, which load
-disturbs less than wall time), the first training step of a CIFAR ResNet-18 at batch 32 under
-``convgrad.patch`` (11 distinct conv configurations) cost 1.2 s of CPU more than plain torch's
-first step, about one steady step (1.3 s of CPU); before this screening it was about 26 steady
-steps. The network of ``convgrad demo`` (6 configurations, tiny layers): 0.13 s more.
-With ``CONVGRAD_AUTOTUNE_CACHE=1`` and the cache already written, a new process pays only the
-lookups (and settles choices still being compared). ``benchmarks/first_step.py`` measures it.
+distinct layer shape and batch bucket: about one steady step for a CIFAR ResNet-18
+(benchmarks/results/auto_first_step.md, made by ``benchmarks/first_step.py``). With
+``CONVGRAD_AUTOTUNE_CACHE=1`` and the cache already written, a new process pays only the lookups.
 
-A choice is watched on the CPU: when its calls run ``_DRIFT`` (2) times slower per sample than it
-was tuned at, ``_DRIFT_CALLS`` (3) calls in a row, it is tuned again, at most ``_MAX_RETUNES`` (2)
-times per configuration. A backend's speed can change within a process (on a 2-core VM, gemm's
-grad_weight of MobileNetV2's pointwise conv went from 4.6 to 11 ms per call after a few seconds,
-while native stayed at 4.5-5.9 ms), and a choice made once would keep the slow one.
+A choice is watched on the CPU: when its calls run ``DRIFT`` (2) times slower per sample than it
+was tuned at, ``DRIFT_CALLS`` (3) calls in a row, it is tuned again, at most ``MAX_RETUNES`` (2)
+times per configuration: a backend's speed can change within a process, and a choice made once would keep the
+slow one (benchmarks/results/auto_margins.md).
 
 Modes, set by ``set_mode`` or the ``CONVGRAD_AUTOTUNE`` environment variable (read on first use):
 
@@ -48,125 +43,58 @@ Modes, set by ``set_mode`` or the ``CONVGRAD_AUTOTUNE`` environment variable (re
 * ``"fixed"``: no timing; always ``FIXED_CHOICE`` ("native"), deterministic and bitwise PyTorch's.
 
 Persistence (off by default): ``CONVGRAD_AUTOTUNE_CACHE=1`` keeps the winners in the user cache
-directory, ``CONVGRAD_AUTOTUNE_CACHE=/some/file.json`` in that file (``convgrad.backends.auto_cache``).
+directory, ``CONVGRAD_AUTOTUNE_CACHE=/some/file.json`` in that file (``convgrad.tuning``'s store).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
-from convgrad.backends import Backend, auto_cache, auto_tuning, backend_names, get_backend, register
-from convgrad.backends.auto_cache import _DRIFT, _DRIFT_CALLS, _MAX_RETUNES, Store, cache_path, device_name  # noqa: F401
-from convgrad.backends.auto_tuning import PREFER_NATIVE, SPLIT_MARGIN, Choice, Result
-from convgrad.backends.auto_tuning import tune as _tune
+from convgrad import tuning
+from convgrad.backends import Backend, backend_names, get_backend, register
 from convgrad.spec import ConvSpec
-from convgrad.tensor_ops import plain
+from convgrad.tuning import (
+    PREFER_NATIVE,
+    SPLIT_MARGIN,
+    Choice,
+    Result,
+    Store,
+    batch_bucket,
+    bucketed,
+    cache_path,
+    device_name,
+    fixed,
+    get_mode,
+    set_mode,
+    threads,
+    tunable,
+    tuning_mode,
+)
+from convgrad.tuning import tune as _tune
 
-__all__ = ["CANDIDATES", "FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path",
+__all__ = ["FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path", "candidates",
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
 
-# those registered take part
-CANDIDATES: tuple[str, ...] = ("native", "fwdconv", "gemm", "channels_last", "regroup", "chunked", "fft")
 FIXED_CHOICE = "native"
-MODES = ("tune", "fixed")
 
 Gradient = Callable[[Backend, ConvSpec, int], torch.Tensor]  # (backend, spec of n samples, n)
 
-
-_mode: str | None = None  # None: not read from the environment yet
 Key = tuple[ConvSpec, str, torch.dtype, torch.device, bool, int]
-
-
-def set_mode(mode: str) -> str:
-    """Switch "auto" between ``"tune"`` (time candidates on first use) and ``"fixed"`` (always native).
-
-    Args:
-        mode: ``"tune"`` or ``"fixed"``.
-
-    Returns:
-        The previous mode.
-
-    Raises:
-        ValueError: an unknown mode.
-
-    Examples:
-        >>> from convgrad.backends import auto
-        >>> previous = auto.set_mode("fixed")
-        >>> auto.get_mode()
-        'fixed'
-        >>> _ = auto.set_mode(previous)
-    """
-    global _mode
-    if mode not in MODES:
-        raise ValueError(f"set_mode: mode={mode!r} must be one of {MODES}")
-    previous, _mode = get_mode(), mode
-    return previous
-
-
-def get_mode() -> str:
-    """The current mode; on first use read from ``CONVGRAD_AUTOTUNE`` (default ``"tune"``)."""
-    global _mode
-    if _mode is None:
-        env = os.environ.get("CONVGRAD_AUTOTUNE", "tune").strip().lower() or "tune"
-        if env not in MODES:
-            raise ValueError(f"convgrad: CONVGRAD_AUTOTUNE={env!r} must be one of {MODES}")
-        _mode = env
-    return _mode
-
-
-@contextlib.contextmanager
-def tuning_mode(mode: str) -> Iterator[None]:
-    """Run a block in the given mode, then restore the previous one."""
-    previous = set_mode(mode)
-    try:
-        yield
-    finally:
-        set_mode(previous)
 
 
 def clear() -> None:
     """Forget every tuned choice held in memory, the per-sample methods' too (the cache file is left alone)."""
-    auto_cache.reset_all()
-
-
-def batch_bucket(batch: int) -> int:
-    """The batch size a choice is tuned for: the next power of two (0 stays 0).
-
-    Batches that share a bucket share one tuning. DP-SGD with Poisson sampling (Opacus, our
-    examples/dp_sgd_digits.py) draws a new batch size at every step; keyed by the exact size, every
-    step would tune again. Within a factor of two the ranking of the candidates hardly moves.
-
-    Args:
-        batch: N, the batch size of the configuration (int, >= 0).
-
-    Returns:
-        The smallest power of two >= ``batch``; 0 for an empty batch.
-
-    Examples:
-        >>> from convgrad.backends import auto
-        >>> [auto.batch_bucket(n) for n in (0, 1, 3, 4, 300)]
-        [0, 1, 4, 4, 512]
-    """
-    return 1 << (batch - 1).bit_length() if batch > 0 else 0
+    tuning.clear()
 
 
 def _key(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Key:
     """(spec with its batch bucketed, gradient, dtype, device, channels last, CPU threads): what a choice depends on."""
     last = like.dim() >= 3 and like.shape[1] > 1 and like.stride(1) == 1 and not like.is_contiguous()
-    threads = torch.get_num_threads() if like.device.type == "cpu" else 0
-    return bucketed(spec), gradient, like.dtype, like.device, last, threads
-
-
-@functools.lru_cache(maxsize=1024)
-def bucketed(spec: ConvSpec) -> ConvSpec:
-    """The spec with its batch bucketed (cached: every call of every layer looks its choice up)."""
-    return spec.with_batch(batch_bucket(spec.batch))
+    return bucketed(spec), gradient, like.dtype, like.device, last, threads(like)
 
 
 def _key_text(key: Key) -> str:
@@ -192,19 +120,13 @@ def chosen(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Choice | None:
     return _choices.lookup(_key(spec, gradient, like))
 
 
-def _tunable(*tensors: torch.Tensor) -> bool:
-    """Real tensors only: no tuning while compiling, on meta/fake tensors, subclasses, or under vmap or forward AD."""
-    if torch.compiler.is_compiling():
-        return False
-    return all(plain(t) and t.device.type != "meta" for t in tensors)
-
-
-def _candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
-    """The registered candidates that handle this dtype, native first; a backend with a ``can_serve(spec, like)``
-    rule takes part only where that rule says it can differ from native."""
-    names = ["native", *(n for n in CANDIDATES if n != "native" and n in backend_names())]
-    return [b for b in map(get_backend, names) if (not like.is_complex() or b.supports_complex)
-            and getattr(b, "can_serve", lambda spec, like: True)(spec, like)]
+def candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
+    """The backends auto races for this layer on tensors like ``like``, native first: every registered backend
+    (auto aside) made of torch ops (``differentiable``, as auto promises to be), handling this dtype, whose
+    ``can_serve(spec, like)`` lets it in. Registering a backend is all it takes to be raced."""
+    names = ["native", *(n for n in backend_names() if n not in ("native", "auto"))]
+    return [b for b in map(get_backend, names) if b.differentiable and (not like.is_complex() or b.supports_complex)
+            and b.can_serve(spec, like)]
 
 
 def _head(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -230,12 +152,12 @@ def _tune_both(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
     The options for both (each backend's own backward, and "split") are then decided on those times, a
     backend's backward that does not share work estimated as its two gradients in a row; the survivors are
     compared on the calls that follow (``Store.run``)."""
-    n, device, cands = spec.batch, grad_output.device, _candidates(spec, grad_output)
+    n, device, cands = spec.batch, grad_output.device, candidates(spec, grad_output)
     gi = {b.name: (lambda m, b=b: b.input_grad(_sub(spec, m), weight, _head(grad_output, m))) for b in cands}
     gw = {b.name: (lambda m, b=b: b.weight_grad(_sub(spec, m), _head(input, m), _head(grad_output, m))) for b in cands}
     own = {b.name: (lambda m, b=b: b.backward(_sub(spec, m), _head(grad_output, m), _head(input, m), weight, True,
                                               True)) for b in cands}
-    screens = [auto_tuning.screen(gi, n, device, "native"), auto_tuning.screen(gw, n, device, "native")]
+    screens = [tuning.screen(gi, n, device, "native"), tuning.screen(gw, n, device, "native")]
     ti, tw = screens[0].times, screens[1].times
     if not (ti and tw):  # native's own probe was not finite: nothing could be checked
         return Choice(FIXED_CHOICE, {}, (), n)
@@ -243,15 +165,15 @@ def _tune_both(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
     estimates = {b: ti[b] + tw[b] for b in own if b in ti and b in tw}
     if bi != bw:
         estimates["split"] = ti[bi] + tw[bw]
-    bound = auto_tuning.SCREEN_DROP * min(estimates.values())
+    bound = tuning.SCREEN_DROP * min(estimates.values())
     fused = [b.name for b in cands if _shares_work(b) and b.name in estimates
              and (b.name == "native" or max(ti[b.name], tw[b.name]) <= bound)]
-    screens.append(auto_tuning.screen({b: own[b] for b in fused}, n, device, "native"))
+    screens.append(tuning.screen({b: own[b] for b in fused}, n, device, "native"))
     estimates.update(screens[2].times)
     for b in screens[2].rejected:
         estimates.pop(b, None)
     rejected = tuple(dict.fromkeys(r for s in screens for r in s.rejected))
-    choice = auto_tuning.decide(n, estimates, bi if bi == bw else "native", rejected, keep=("native",))
+    choice = tuning.decide(n, estimates, bi if bi == bw else "native", rejected, keep=("native",))
     return dataclasses.replace(choice, parts=(bi, bw)) if "split" in estimates else choice
 
 
@@ -277,12 +199,12 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     the tensors cannot be timed (compiling, vmap, forward AD, meta)."""
     from convgrad.backends.native import forward as native_forward  # native imports this package's registry
 
-    if torch.compiler.is_compiling() or get_mode() == "fixed" or not _tunable(input, weight):
+    if torch.compiler.is_compiling() or get_mode() == "fixed" or not tunable(input, weight):
         return native_forward(spec, input, weight, bias)
     key = _key(spec, "forward", input)
     known = _choices.lookup(key)
     if known is None:
-        cands = [b for b in _candidates(spec, input) if b.name != "native" and hasattr(b, "forward")]
+        cands = [b for b in candidates(spec, input) if b.name != "native" and hasattr(b, "forward")]
         if not cands:
             return native_forward(spec, input, weight, bias)
         options: dict[str, Callable[[int], torch.Tensor]] = {
@@ -339,27 +261,27 @@ class AutoBackend(Backend):
 
     @staticmethod
     def _tuning(*tensors: torch.Tensor | None) -> bool:
-        if _mode == "fixed" or (_mode is None and get_mode() == "fixed"):
+        if fixed():
             return False
-        return _tunable(*(t for t in tensors if t is not None))
+        return tunable(*(t for t in tensors if t is not None))
 
     def _grad(self, spec: ConvSpec, gradient: str, call: Gradient, grad_output: torch.Tensor,
               operand: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or _mode == "fixed" or (_mode is None and get_mode() == "fixed"):
+        if torch.compiler.is_compiling() or fixed():
             # while torch.compile traces, as for both gradients (_tuning): no tuning, no lookup of a choice by a key
             # (torch.get_num_threads in it is untraceable), and no eager timing decides what a graph computes
             return call(get_backend(FIXED_CHOICE), spec, spec.batch)
         key = _key(spec, gradient, grad_output)
         known = _choices.lookup(key)
         if known is None:
-            if not _tunable(grad_output, operand):
+            if not tunable(grad_output, operand):
                 return call(get_backend(FIXED_CHOICE), spec, spec.batch)
-            options = {b.name: (lambda m, b=b: call(b, _sub(spec, m), m)) for b in _candidates(spec, grad_output)}
+            options = {b.name: (lambda m, b=b: call(b, _sub(spec, m), m)) for b in candidates(spec, grad_output)}
             known, out = _tune(options, spec.batch, grad_output.device)
             _choices.remember(key, known)
             if out is not None and not torch.is_grad_enabled():
                 return out
         make = lambda name: lambda: call(get_backend(name), spec, spec.batch)  # noqa: E731
-        if not _tunable(grad_output):
+        if not tunable(grad_output):
             return make(known.backend)()
         return _choices.run(key, known, spec.batch, grad_output.device, make)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from convgrad.backends import Backend, register
+from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec, FftDim
 from convgrad.tensor_ops import batched_like, crop, pad, sliced
 
@@ -98,7 +99,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     kinds = {"grad_input": "y_from_x" if spec.transposed else "x_from_y", "grad_weight": "w_from_xy",
              "output": "x_from_y" if spec.transposed else "y_from_x"}
     if gradient not in kinds:
-        raise ValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
+        raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
     kind, dims = kinds[gradient], spec.fft_phases
     p = math.prod(len(d.phases) for d in dims)
     chunks = spec.fft_chunks(p, max(CHUNK_MIN_REALS, spec.side_elements // 4))

@@ -15,6 +15,7 @@ import torch
 
 from convgrad import numpy as cgn
 from convgrad.backends import FusedBackend, register, traceable_names
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
 
 DTYPES = (torch.float32, torch.float64)
@@ -32,11 +33,11 @@ class NumpyBackend(FusedBackend):
         """CPU tensors of float32 or float64 only (NumPy has no bfloat16, and this path computes in float)."""
         super().check_operand(fn, name, t)
         if t.device.type != "cpu":
-            raise ValueError(f"{fn}: backend='numpy' needs CPU tensors, but {name}.device={t.device}; "
-                             f"move them with .cpu() or use backend='native'")
+            raise ConvgradValueError(f"{fn}: backend='numpy' needs CPU tensors, but {name}.device={t.device}; "
+                                     f"move them with .cpu() or use backend='native'")
         if t.dtype not in DTYPES:
-            raise TypeError(f"{fn}: backend='numpy' supports float32 and float64, but {name}.dtype={t.dtype}; "
-                            f"use one of {traceable_names()}")
+            raise ConvgradTypeError(f"{fn}: backend='numpy' supports float32 and float64, but {name}.dtype={t.dtype}; "
+                                    f"use one of {traceable_names()}")
 
     def _array(self, spec: ConvSpec, name: str, t: torch.Tensor | None) -> np.ndarray | None:
         """A CPU float32/float64 tensor as an array sharing its memory; clear errors for anything else."""

@@ -2,8 +2,10 @@
 
 Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``. Whatever a
 user can cause ends here as one line on stderr and exit status 2, never a traceback: a
-ValueError or TypeError from the library, a path that cannot be written (OSError), a
-``--device`` this machine does not have, sizes too large for its memory. A closed pipe (``convgrad ... | head``) ends
+``ConvgradError`` from the library or the commands (``convgrad.errors``), a path that cannot be written
+(OSError), a ``--device`` this machine does not have, sizes too large for its memory. Any other exception is a
+bug: its traceback is printed, with a line asking for a report on the issue tracker, and the status is 1.
+A closed pipe (``convgrad ... | head``) ends
 quietly, as the Python documentation advises for SIGPIPE, with status 141 (128 + SIGPIPE): what a shell reports for
 a program that a closed pipe stops (``yes | head``), so ``set -o pipefail`` sees it as such and never as 1, which
 ``convgrad check`` and ``convgrad demo`` return for a gradient out of tolerance.
@@ -18,8 +20,11 @@ import importlib
 import os
 import re
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
+
+from convgrad.errors import ConvgradError, ConvgradValueError
 
 CLOSED_PIPE = 141  # 128 + SIGPIPE (13): the status a shell gives a program that a closed pipe ends
 
@@ -101,11 +106,11 @@ def shapes_as_typed(input_size: Sequence[int], weight_size: Sequence[int], optio
     re-raising with the context the user knows."""
     try:
         yield
-    except ValueError as err:
+    except ConvgradValueError as err:
         context = read_as(input_size, weight_size, option)
         if not context:
             raise
-        raise ValueError(f"{' '.join(str(err).split())} ({context})") from None
+        raise ConvgradValueError(f"{' '.join(str(err).split())} ({context})") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,12 +149,12 @@ def _check_device(value: str | None) -> None:
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError):
-        raise ValueError(f"--device={value} is not a device (cpu, cuda, cuda:1, mps, ...)") from None
+        raise ConvgradValueError(f"--device={value} is not a device (cpu, cuda, cuda:1, mps, ...)") from None
     try:
         torch.empty(0, device=device)
     except (AssertionError, RuntimeError) as err:  # "Torch not compiled with CUDA enabled", a missing ordinal...
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"--device={value} is not available here ({reason})") from None
+        raise ConvgradValueError(f"--device={value} is not available here ({reason})") from None
 
 
 def _one_line(command: str, err: BaseException) -> str:
@@ -206,16 +211,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"convgrad {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, TypeError, OSError) as err:
+    except (ConvgradError, OSError) as err:
         print(_one_line(args.command, err), file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as err:  # torch's allocators: sizes this machine cannot hold
         if isinstance(err, RuntimeError) and not any(s in str(err) for s in ("can't allocate memory", "out of memory")):
-            raise  # anything else is a bug: keep its traceback
+            return _bug(args.command)
         tried = re.search(r"tried to allocate [^.(]*[^.( ]", str(err))
         print(f"convgrad {args.command}: error: not enough memory for these sizes"
               f"{f' ({tried.group(0)})' if tried else ''}", file=sys.stderr)
         return 2
+    except Exception:  # not an error a user can cause (those are ConvgradError): a bug, shown whole
+        return _bug(args.command)
+
+
+def _bug(command: str) -> int:
+    """Print the exception being handled with its traceback, say it is a bug to report, return 1."""
+    traceback.print_exc()
+    print(f"convgrad {command}: internal error: this is a bug in convgrad, not in your arguments; please report it "
+          f"on the issue tracker with the command line and the traceback above", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

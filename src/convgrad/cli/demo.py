@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from convgrad.cli import console as cli_console
+from convgrad.errors import ConvgradValueError
 
 THRESHOLD = 1e-4  # float32: ~1e-7 per op, summed over a few thousand terms per gradient entry
 
@@ -56,12 +57,13 @@ def run(args: argparse.Namespace) -> int:
     get_backend(args.backend, "convgrad demo")
     for name in ("epochs", "threads"):
         if getattr(args, name) < 1:
-            raise ValueError(f"convgrad demo: --{name}={getattr(args, name)} must be positive")
+            raise ConvgradValueError(f"convgrad demo: --{name}={getattr(args, name)} must be positive")
     if args.steps is not None and args.steps < 1:
-        raise ValueError(f"convgrad demo: --steps={args.steps} must be positive")
+        raise ConvgradValueError(f"convgrad demo: --steps={args.steps} must be positive")
     if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"convgrad demo: --out={args.out} is an existing file, not a folder; --out names the folder "
-                         f"that gets training.png and summary.json (give a new or existing folder)")
+        raise ConvgradValueError(
+            f"convgrad demo: --out={args.out} is an existing file, not a folder; --out names the folder "
+            f"that gets training.png and summary.json (give a new or existing folder)")
     args.out.mkdir(parents=True, exist_ok=True)  # an unwritable --out fails now, not after the training
     console = cli_console()
     threads = torch.get_num_threads()

@@ -18,6 +18,7 @@ from typing import Any
 
 from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
 from convgrad.cli import add_conv_arguments, parse_shape, shapes_as_typed
+from convgrad.errors import ConvgradValueError
 
 __all__ = ["add_arguments", "check_outputs", "run"]
 
@@ -50,10 +51,11 @@ def _dtype(name: str) -> Any:
 
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"explain: --dtype {name!r} is not a torch dtype (e.g. float32, float64, bfloat16)")
+        raise ConvgradValueError(f"explain: --dtype {name!r} is not a torch dtype (e.g. float32, float64, bfloat16)")
     if not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"explain: --dtype {name!r} must be a floating or complex dtype (e.g. float32, float64, "
-                         "bfloat16)")
+        raise ConvgradValueError(
+            f"explain: --dtype {name!r} must be a floating or complex dtype (e.g. float32, float64, "
+            "bfloat16)")
     return dtype
 
 
@@ -90,16 +92,17 @@ def check_outputs(args: argparse.Namespace) -> None:
         path, suffixes = Path(value), _suffixes(option)
         if path.is_dir():
             example = path / f"recipe{suffixes[0]}"
-            raise ValueError(f"--{option}={value} is a folder; give a file in it, e.g. {example}")
+            raise ConvgradValueError(f"--{option}={value} is a folder; give a file in it, e.g. {example}")
         if path.suffix.lower() not in suffixes:
             what = f"has the extension {path.suffix!r}, which it cannot write" if path.suffix else "has no extension"
-            raise ValueError(f"--{option}={value} {what}; end it in one of {', '.join(suffixes)}")
+            raise ConvgradValueError(f"--{option}={value} {what}; end it in one of {', '.join(suffixes)}")
         if option == "animate" and path.suffix.lower() == ".mp4":
             from matplotlib import animation
 
             if not animation.writers.is_available("ffmpeg"):
-                raise ValueError(f"--animate={value} needs ffmpeg, which is not installed; write a .gif, .webp or "
-                                 ".html instead")
+                raise ConvgradValueError(
+                    f"--animate={value} needs ffmpeg, which is not installed; write a .gif, .webp or "
+                    ".html instead")
         existed = path.exists()
         with open(path, "ab"):  # OSError with the path: a missing folder, a file in the way, no permission
             pass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from matplotlib import animation
 
+from convgrad.errors import ConvgradValueError
 from convgrad.explain import render
 from convgrad.explain.frames import SceneOf
 from convgrad.explain.raster import check_path, frames, paletted
@@ -24,14 +25,15 @@ def animate(scene: SceneOf, path: Path, gradients: tuple[str, ...], max_frames: 
     """Write the animation of Recipe.animate to ``path``: GIF or WebP with Pillow, MP4 with ffmpeg."""
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
-        raise ValueError(f"Recipe.animate: path={str(path)!r} must end in one of {SUFFIXES}")
+        raise ConvgradValueError(f"Recipe.animate: path={str(path)!r} must end in one of {SUFFIXES}")
     if not fps > 0:
-        raise ValueError(f"Recipe.animate: fps={fps!r} must be positive")
+        raise ConvgradValueError(f"Recipe.animate: fps={fps!r} must be positive")
     check_path(path, "Recipe.animate")
     if suffix == ".mp4":
         if not animation.writers.is_available("ffmpeg"):
-            raise ValueError(f"Recipe.animate: {path} needs ffmpeg, which is not installed; write a .gif or .webp "
-                             f"(Pillow) or an .html page instead")
+            raise ConvgradValueError(
+                f"Recipe.animate: {path} needs ffmpeg, which is not installed; write a .gif or .webp "
+                f"(Pillow) or an .html page instead")
         writer = animation.FFMpegWriter(fps=fps)
         drawn = frames(scene, gradients, max_frames)
         fig, _, _ = next(drawn)

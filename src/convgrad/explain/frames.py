@@ -23,6 +23,7 @@ from typing import Any
 
 from convgrad.backends import fwdconv
 from convgrad.backends.fwdconv.geometry import Axis, Cell, Family, Out, operand, union_axis
+from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec
 
 __all__ = ["GRADIENTS", "Frame", "Scene", "SceneOf", "plan_of", "scene"]
@@ -198,7 +199,7 @@ def scene(spec: ConvSpec, gradient: str, plan: Any | None = None, input_method: 
     A batch-0 configuration is drawn with one sample (its plans compute empty sums).
     """
     if gradient not in GRADIENTS:
-        raise ValueError(f"explain: gradient={gradient!r} must be one of {GRADIENTS}")
+        raise ConvgradValueError(f"explain: gradient={gradient!r} must be one of {GRADIENTS}")
     if spec.batch == 0:
         spec = dataclasses.replace(spec, batch=1)
     if plan is None or plan.conv is None:

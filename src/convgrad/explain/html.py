@@ -15,6 +15,7 @@ import io
 import json
 from pathlib import Path
 
+from convgrad.errors import ConvgradValueError
 from convgrad.explain.frames import SceneOf
 from convgrad.explain.raster import check_path, frames, paletted
 
@@ -74,7 +75,7 @@ def to_html(scene: SceneOf, path: Path, gradients: tuple[str, ...], max_frames: 
             code: str) -> Path:
     """Write the page of Recipe.to_html to ``path``: the frames of these scenes, the recipe's text and script."""
     if path.suffix.lower() not in (".html", ".htm"):
-        raise ValueError(f"Recipe.to_html: path={str(path)!r} must end in .html")
+        raise ConvgradValueError(f"Recipe.to_html: path={str(path)!r} must end in .html")
     check_path(path, "Recipe.to_html")
     pngs, labels = [], []
     for _, image, label in paletted(frames(scene, gradients, max_frames, "Recipe.to_html")):

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from convgrad.errors import ConvgradTypeError
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, padded_sizes
 from convgrad.tensor_ops import CHANNELS_LAST, is_channels_last
 
@@ -151,16 +152,16 @@ def _resolve(fn: str, input: Any, weight: Any, dtype: Any, device: Any) -> tuple
     tensors = [isinstance(t, torch.Tensor) for t in (input, weight)]
     if any(tensors):
         if not all(tensors):
-            raise TypeError(f"{fn}: input and weight must both be tensors or both be sizes")
+            raise ConvgradTypeError(f"{fn}: input and weight must both be tensors or both be sizes")
         if dtype is not None or device is not None:
-            raise TypeError(f"{fn}: dtype and device are taken from the tensors; pass them only with sizes")
+            raise ConvgradTypeError(f"{fn}: dtype and device are taken from the tensors; pass them only with sizes")
         if input.dtype != weight.dtype or input.device != weight.device:
-            raise TypeError(f"{fn}: input ({input.dtype}, {input.device}) and weight ({weight.dtype}, "
-                            f"{weight.device}) must share dtype and device")
+            raise ConvgradTypeError(f"{fn}: input ({input.dtype}, {input.device}) and weight ({weight.dtype}, "
+                                    f"{weight.device}) must share dtype and device")
         return tuple(input.shape), tuple(weight.shape), input.dtype, input.device, input
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"{fn}: dtype={dtype!r} must be a floating or complex torch.dtype")
+        raise ConvgradTypeError(f"{fn}: dtype={dtype!r} must be a floating or complex torch.dtype")
     return input, weight, dtype, torch.device("cpu" if device is None else device), None
 
 

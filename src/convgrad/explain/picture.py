@@ -12,6 +12,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from convgrad.errors import ConvgradValueError
 from convgrad.explain import render
 from convgrad.explain.frames import Frame, SceneOf
 
@@ -36,8 +37,8 @@ def plot(scene: SceneOf, path: str | Path | None = None,
          gradients: tuple[str, ...] = ("grad_input", "grad_weight")) -> Figure:
     """The figure of Recipe.plot; saved to ``path`` when given."""
     if not gradients or any(g not in ("grad_input", "grad_weight") for g in gradients):
-        raise ValueError(f"Recipe.plot: gradients={gradients!r} must be a non-empty selection of "
-                         f"('grad_input', 'grad_weight')")
+        raise ConvgradValueError(f"Recipe.plot: gradients={gradients!r} must be a non-empty selection of "
+                                 f"('grad_input', 'grad_weight')")
     blocks = []
     for gradient in gradients:
         lay = render.layout(scene(gradient), 120)

@@ -14,6 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
 
+from convgrad.errors import ConvgradValueError
 from convgrad.explain import render
 from convgrad.explain.frames import GRADIENTS, Scene, SceneOf
 
@@ -23,15 +24,16 @@ __all__ = ["check_path", "frames", "paletted"]
 def check_path(path: Path, fn: str) -> None:
     """Fail before drawing anything when the file cannot be written there."""
     if not path.parent.is_dir():
-        raise ValueError(f"{fn}: path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
+        raise ConvgradValueError(f"{fn}: path={str(path)!r}: the directory {str(path.parent)!r} does not exist")
 
 
 def _layouts(scene: SceneOf, gradients: tuple[str, ...], max_frames: int, fn: str) -> list[render.Layout]:
     unknown = [g for g in gradients if g not in GRADIENTS]
     if unknown or not gradients:
-        raise ValueError(f"{fn}: gradients={gradients!r} must be a non-empty selection of {GRADIENTS}")
+        raise ConvgradValueError(f"{fn}: gradients={gradients!r} must be a non-empty selection of {GRADIENTS}")
     if max_frames < len(gradients):
-        raise ValueError(f"{fn}: max_frames={max_frames} must be at least one frame per gradient ({len(gradients)})")
+        raise ConvgradValueError(
+            f"{fn}: max_frames={max_frames} must be at least one frame per gradient ({len(gradients)})")
     scenes = [scene(g) for g in gradients]
     return [render.layout(sc, budget) for sc, budget in zip(scenes, _budgets(scenes, max_frames), strict=True)]
 

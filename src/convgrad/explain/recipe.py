@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from convgrad.backends import fwdconv
 from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
+from convgrad.errors import ConvgradValueError, MethodRefused
 from convgrad.explain.kernel_choice import NativeChoice, native_backend
 from convgrad.explain.symbols import used_symbols
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
@@ -150,13 +151,14 @@ class Recipe:
 
         plans = {**self.plans, "forward": self.forward_plan}
         if gradient not in plans:
-            raise ValueError(f"Recipe.scene: gradient={gradient!r} must be 'forward', 'grad_input' or 'grad_weight'")
+            raise ConvgradValueError(
+                f"Recipe.scene: gradient={gradient!r} must be 'forward', 'grad_input' or 'grad_weight'")
         return scene(self.spec, gradient, plans[gradient], self.input_method, self.weight_method)
 
     def steps(self, gradient: str) -> list[RecipeStep]:
         """The ordered steps of ``"grad_input"`` or ``"grad_weight"``, each with the shape after it."""
         if gradient not in self.plans:
-            raise ValueError(f"Recipe.steps: gradient={gradient!r} must be 'grad_input' or 'grad_weight'")
+            raise ConvgradValueError(f"Recipe.steps: gradient={gradient!r} must be 'grad_input' or 'grad_weight'")
         return plan_steps(self.plans[gradient])
 
     @property
@@ -321,25 +323,25 @@ def _methods(method: str | None, input_method: str | None, weight_method: str | 
     """method=NAME applies NAME to whichever gradient has it; the explicit ones must name their own list."""
     if method is not None:
         if method not in INPUT_METHODS + WEIGHT_METHODS:
-            raise ValueError(f"explain: method={method!r} must be None or one of {INPUT_METHODS + WEIGHT_METHODS}")
+            raise ConvgradValueError(
+                f"explain: method={method!r} must be None or one of {INPUT_METHODS + WEIGHT_METHODS}")
         name, given = ("input_method", input_method) if method in INPUT_METHODS else ("weight_method", weight_method)
         if given not in (None, method):
-            raise ValueError(f"explain: method={method!r} and {name}={given!r} disagree; give one of them")
+            raise ConvgradValueError(f"explain: method={method!r} and {name}={given!r} disagree; give one of them")
         input_method, weight_method = (method, weight_method) if name == "input_method" else (input_method, method)
     if input_method is not None and input_method not in INPUT_METHODS:
-        raise ValueError(f"explain: input_method={input_method!r} must be None or one of {INPUT_METHODS}")
+        raise ConvgradValueError(f"explain: input_method={input_method!r} must be None or one of {INPUT_METHODS}")
     if weight_method is not None and weight_method not in WEIGHT_METHODS:
-        raise ValueError(f"explain: weight_method={weight_method!r} must be None or one of {WEIGHT_METHODS}")
+        raise ConvgradValueError(f"explain: weight_method={weight_method!r} must be None or one of {WEIGHT_METHODS}")
     return input_method, weight_method
 
 
 def _plan(build: Any, spec: ConvSpec, method: str | None, name: str) -> Any:
     try:  # no method: the very call (and lru_cache entry) the backend uses, so the plan is the object it runs
         return build(spec) if method is None else build(spec, method)
-    except ValueError as err:
-        reason = str(err).split("; ")[0]
-        reason = reason[reason.find("needs"):] if "needs" in reason else reason
-        raise ValueError(f"explain: {name}={method!r} cannot serve {spec.describe()}: {reason}") from None
+    except MethodRefused as err:  # the refusal's own reason, not its message's text
+        raise MethodRefused("explain", err.method, f"cannot serve {spec.describe()}: {err.reason}",
+                            param=name) from None
 
 
 def explain(

@@ -14,6 +14,8 @@ import sys
 import torch
 from torch import nn
 
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
+
 __all__ = ["all_reduce_sum", "as_ddp", "check_no_outer_sync", "refuse_wrappers"]
 
 
@@ -39,18 +41,19 @@ def refuse_wrappers(fn: str, model: nn.Module) -> None:
     for name, m in model.named_modules():
         what = f"module {name!r}" if name else "the model itself"
         if isinstance(m, nn.DataParallel):
-            raise TypeError(f"{fn}: {what} is a torch.nn.DataParallel, whose replicas the hooks cannot "
-                            f"follow; use DistributedDataParallel (PerSampleGrads(ddp_model))")
+            raise ConvgradTypeError(f"{fn}: {what} is a torch.nn.DataParallel, whose replicas the hooks cannot "
+                                    f"follow; use DistributedDataParallel (PerSampleGrads(ddp_model))")
         if ddp is not None and isinstance(m, ddp) and m is not model:
-            raise TypeError(f"{fn}: {what} is a DistributedDataParallel inside the model; pass the "
-                            f"DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
+            raise ConvgradTypeError(f"{fn}: {what} is a DistributedDataParallel inside the model; pass the "
+                                    f"DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
         if ddp is not None and m is model and isinstance(m, ddp) and getattr(m, "static_graph", False):
-            raise TypeError(f"{fn}: the DistributedDataParallel was built with static_graph=True, whose reducer "
-                            f"cannot run a backward under no_sync() (an internal assert in torch), and PerSampleGrads "
-                            f"needs no_sync() to clip before the all-reduce; build it with static_graph=False")
+            raise ConvgradTypeError(
+                f"{fn}: the DistributedDataParallel was built with static_graph=True, whose reducer "
+                f"cannot run a backward under no_sync() (an internal assert in torch), and PerSampleGrads "
+                f"needs no_sync() to clip before the all-reduce; build it with static_graph=False")
         if isinstance(m, fsdp):
-            raise TypeError(f"{fn}: {what} ({type(m).__name__}) shards its parameters, which the "
-                            f"per-sample rules cannot see; FSDP is not supported (DistributedDataParallel is)")
+            raise ConvgradTypeError(f"{fn}: {what} ({type(m).__name__}) shards its parameters, which the "
+                                    f"per-sample rules cannot see; FSDP is not supported (DistributedDataParallel is)")
 
 
 def check_no_outer_sync() -> None:
@@ -58,9 +61,9 @@ def check_no_outer_sync() -> None:
     gradients before any clipping (the model given to PerSampleGrads was the DDP's inner module)."""
     active = getattr(_ddp_class(), "_active_ddp_module", None)  # set by DDP for the duration of its forward
     if active is not None and active.require_backward_grad_sync:
-        raise ValueError("PerSampleGrads: the forward runs inside a DistributedDataParallel module that "
-                         "all-reduces gradients during the backward, before they can be clipped per sample; "
-                         "pass the DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
+        raise ConvgradValueError("PerSampleGrads: the forward runs inside a DistributedDataParallel module that "
+                                 "all-reduces gradients during the backward, before they can be clipped per sample; "
+                                 "pass the DistributedDataParallel module itself: PerSampleGrads(ddp_model)")
 
 
 def all_reduce_sum(tensors: list[torch.Tensor], group: object) -> None:

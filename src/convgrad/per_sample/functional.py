@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from convgrad.checks import check_grad_output, check_same_kind, check_size, check_tensor
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.per_sample import methods, tuning
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
@@ -30,13 +31,13 @@ def _check(fn: str, input: Any, weight_size: Any, grad_output: Any, stride: IntO
                                                                                ("grad_output", grad_output))}
     check_same_kind(fn, tensors)
     if method not in _METHODS:
-        raise ValueError(f"{fn}: method={method!r} must be one of {_METHODS}")
+        raise ConvgradValueError(f"{fn}: method={method!r} must be one of {_METHODS}")
     weight_size = check_size(fn, "weight_size", weight_size)
     spec = ConvSpec.from_shapes(input.shape, weight_size, stride, padding, dilation, transposed, output_padding,
                                 groups, fn=fn)
     if spec.unbatched:
-        raise ValueError(f"{fn}: input.shape={tuple(input.shape)} has no batch dim; per-sample gradients need "
-                         f"(N, C_in, *spatial)")
+        raise ConvgradValueError(f"{fn}: input.shape={tuple(input.shape)} has no batch dim; per-sample gradients need "
+                                 f"(N, C_in, *spatial)")
     check_grad_output(fn, spec, grad_output)
     x, y = (grad_output, input) if spec.transposed else (input, grad_output)
     return spec, x, y
@@ -91,8 +92,8 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
     spec, x, y = _check(fn, input, weight_size, grad_output, stride, padding, dilation, groups, transposed,
                         output_padding, method)
     if method == "ghost":
-        raise ValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
-                         f"'unfold', 'conv', 'native', 'fft' or 'auto'")
+        raise ConvgradValueError(f"{fn}: method='ghost' yields norms only; use per_sample_grad_norms, or method "
+                                 f"'unfold', 'conv', 'native', 'fft' or 'auto'")
     with methods.one_layer():
         if method == "auto":
             method = tuning.method_for(spec, x, y, "grads")
@@ -122,10 +123,10 @@ def per_sample_bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     """
     fn = "per_sample_bias_grad"
     if not isinstance(grad_output, torch.Tensor) or not grad_output.is_floating_point():
-        raise TypeError(f"{fn}: grad_output must be a real floating torch.Tensor, got "
-                        f"{getattr(grad_output, 'dtype', type(grad_output).__name__)}")
+        raise ConvgradTypeError(f"{fn}: grad_output must be a real floating torch.Tensor, got "
+                                f"{getattr(grad_output, 'dtype', type(grad_output).__name__)}")
     if grad_output.dim() < 2:
-        raise ValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
+        raise ConvgradValueError(f"{fn}: grad_output.shape={tuple(grad_output.shape)} must be (N, C_out, *spatial)")
     dims = list(range(2, grad_output.dim()))
     if not dims:
         return grad_output.clone()
@@ -154,8 +155,8 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
       "ghost" is chosen iff ``P·g·(C_y + C_x·T) < C_y·C_x·T``, which also makes its memory
       ``N·g·P²`` smaller than the gradients' ``N·C_y·C_x·T/g``.
     - otherwise the gradients are materialised, chunk by chunk of the batch so that scratch space
-      stays under 2^22 elements: "unfold" copies ``N·C_x·T·P`` elements into an im2col buffer and
-      runs GEMMs whose output tile per (sample, group) is ``(C_y/g)×(C_x·T/g)``; when that tile has
+      stays under 2^20 elements (``methods.CHUNK_ELEMENTS``): "unfold" copies ``N·C_x·T·P`` elements into an
+      im2col buffer and runs GEMMs whose output tile per (sample, group) is ``(C_y/g)×(C_x·T/g)``; when that tile has
       fewer than 64 entries (depthwise-like layers, where such GEMMs are inefficient) "conv" is
       chosen instead: one grouped convolution, no im2col buffer. "native" (PyTorch's weight-gradient
       kernel on the batch folded into the groups) is measured by "auto" too, but never chosen by this cost model.
@@ -191,7 +192,7 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
     spec, x, y = _check(fn, input, weight_size, grad_output, stride, padding, dilation, groups, transposed,
                         output_padding, method)
     if not isinstance(bias, bool):
-        raise TypeError(f"{fn}: bias={bias!r} must be a bool")
+        raise ConvgradTypeError(f"{fn}: bias={bias!r} must be a bool")
     with methods.one_layer():
         if method == "auto":
             method = tuning.method_for(spec, x, y, "norms")

@@ -19,14 +19,11 @@ native kernel's copies at most twice those.
 "native" runs PyTorch's own weight-gradient kernel (oneDNN on the CPU, cuDNN on CUDA) once per chunk, on the batch
 folded into the groups (``ConvSpec.with_batch_in_groups``: the input as (1, N·C_x, *i), grad_output as (1, N·C_y,
 *o), groups N·g), with no im2col copy: sample n's gradient is group block n (copied into place where the batch takes
-more than one chunk). This is how torch.func's vmap computes a convolution's per-sample gradients. On the CPU wheel,
-whose BLAS is MKL, that kernel multiplies faster than the batched GEMM of "unfold" where a sample has many positions
-(batch 32, 2 threads, torch.utils.benchmark, ms, native / unfold / conv / PyTorch's one summed weight gradient): the
-small CNN's 32->64 at 16x16 1.19 / 2.83 / 4.58 / 1.05, ResNet-18's 64->64 at 32x32 9.6 / 22.1 / 30.6 / 9.0 and
-128->128 at 16x16 8.8 / 17.6 / 24.3 / 7.9. With few positions it runs inefficiently (256 channels at 8x8: 18.4
-against unfold's 19.1; 512 at 4x4: 47.5 against 26.1), which the cost model's ``NATIVE_POSITIONS`` prices in
-(``convgrad.per_sample.tuning.estimates``). It replaced one call per sample (64->64 at 32x32: 12.6 ms; 32->64 at
-16x16: 4.1 ms).
+more than one chunk). This is how torch.func's vmap computes a convolution's per-sample gradients. On the CPU wheel
+(MKL) that kernel runs near PyTorch's one summed weight gradient and beats "unfold" where a sample has many
+positions, but not with few, which the cost model's ``NATIVE_POSITIONS`` prices in
+(``convgrad.per_sample.tuning.estimates``); benchmarks/results/per_sample_methods.md has the figures
+(``benchmarks/per_sample_methods.py``).
 """
 
 from __future__ import annotations
@@ -64,10 +61,8 @@ __all__ = [
     "weight_grad",
 ]
 
-# Scratch elements per chunk of the batch (4 MiB in float32). At 16 MiB the small CNN's clipped step peaked with a
-# 16 MiB im2col chunk live beside its 13 MiB of activations; at 4 MiB, peak allocated (steady step, MiB) small CNN
-# 22.1 -> 20.9, WRN-16-4 177 -> 161, ResNet-18 202 -> 187, and per_sample.py --models small_cnn wrn16_4 resnet18
-# --quantities a c --contenders plain convgrad --repeats 7 measured no change in time (two runs each, within IQR).
+# Scratch elements per chunk of the batch (4 MiB in float32): against 16 MiB, a lower peak and the same time
+# (benchmarks/results/per_sample_chunk.md).
 CHUNK_ELEMENTS = 1 << 20
 MIN_TILE = 64  # below this many entries per group's gradient, a GEMM per (sample, group) runs inefficiently
 # below this many positions P per sample, the folded native weight gradient runs inefficiently (module doc); the
@@ -249,9 +244,8 @@ def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """PyTorch's weight gradient of the batch folded into the groups: (N, *weight_shape), one call per chunk of the
     batch. The kernel's working memory grows with its call: oneDNN copies both sides and the result into its
     blocked layout (peak of one call, batch 32, torch.profiler: x + y + 2 x result; 7.5 MiB on the small CNN's
-    32->64 at 16x16, where it set the clipped step's peak). A chunk holds at most twice the layer's x and y: at
-    once, WRN-16-4's 64->64 at 32x32 (result 4.5 MiB, x and y 16 MiB) ran in two calls, 63.3 against 60.8 ms
-    (torch.utils.benchmark, batch 32, 2 threads)."""
+    32->64 at 16x16, where it set the clipped step's peak). A chunk holds at most twice the layer's x and y, which
+    costs little time (benchmarks/results/per_sample_methods.md)."""
     ws = spec.with_batch(1).side_elements + 2 * math.prod(spec.weight_shape)  # one sample's sides, twice its result
     parts = layer_chunks(spec, ws, sides=2.0)
     if len(parts) == 1:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.per_sample import distributed
 from convgrad.per_sample.methods import one_layer, sq_norms
 from convgrad.per_sample.rules import SAMPLE_MIXING, Grads, Layer, mixes_samples, rule_for
@@ -165,11 +166,11 @@ class PerSampleGrads:
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", norms_only: bool = False) -> None:
         fn = "PerSampleGrads"
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+            raise ConvgradTypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
         if loss_reduction not in ("sum", "mean"):
-            raise ValueError(f"{fn}: loss_reduction={loss_reduction!r} must be 'sum' or 'mean'")
+            raise ConvgradValueError(f"{fn}: loss_reduction={loss_reduction!r} must be 'sum' or 'mean'")
         if not isinstance(norms_only, bool):
-            raise TypeError(f"{fn}: norms_only={norms_only!r} must be a bool")
+            raise ConvgradTypeError(f"{fn}: norms_only={norms_only!r} must be a bool")
         distributed.refuse_wrappers(fn, model)
         self._ddp = distributed.as_ddp(model)
         self.model, self.loss_reduction, self.norms_only = model, loss_reduction, norms_only
@@ -182,15 +183,16 @@ class PerSampleGrads:
                 continue
             rule = rule_for(module)
             if rule is None:
-                raise ValueError(f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
-                                 f"{trainable} but no per-sample rule; supported: {_SUPPORTED}. Freeze it with "
-                                 f"requires_grad_(False) or replace it")
+                raise ConvgradValueError(f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
+                                         f"{trainable} but no per-sample rule; supported: {_SUPPORTED}. Freeze it with "
+                                         f"requires_grad_(False) or replace it")
             unknown = [k for k in trainable if k not in rule.PARAMS]
             if unknown:
-                raise ValueError(f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
-                                 f"{unknown} that its per-sample rule does not know (rule parameters: "
-                                 f"{list(rule.PARAMS)}); a reparametrisation such as spectral_norm or weight_norm "
-                                 f"computes the weight from them, which the rule cannot follow")
+                raise ConvgradValueError(
+                    f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
+                    f"{unknown} that its per-sample rule does not know (rule parameters: "
+                    f"{list(rule.PARAMS)}); a reparametrisation such as spectral_norm or weight_norm "
+                    f"computes the weight from them, which the rule cannot follow")
             self._rules[module] = rule
             self._trainable[module] = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
         self._mixing = [m for m in self._names if isinstance(m, SAMPLE_MIXING)]
@@ -212,9 +214,9 @@ class PerSampleGrads:
             for p in params.values():
                 other = owner.setdefault(id(p), m)
                 if other is not m and self.norms_only:
-                    raise ValueError(f"{fn}: modules {self._names[other]!r} and {self._names[m]!r} share a "
-                                     f"parameter; norms_only=True needs each parameter in one module (use "
-                                     f"norms_only=False)")
+                    raise ConvgradValueError(f"{fn}: modules {self._names[other]!r} and {self._names[m]!r} share a "
+                                             f"parameter; norms_only=True needs each parameter in one module (use "
+                                             f"norms_only=False)")
 
     # ---- context --------------------------------------------------------------------------------
     def __enter__(self) -> PerSampleGrads:
@@ -255,7 +257,7 @@ class PerSampleGrads:
     def _check_mixing(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         why = mixes_samples(module) if torch.is_grad_enabled() else None
         if why:
-            raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) {why}")
+            raise ConvgradValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) {why}")
 
     def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled():
@@ -277,9 +279,10 @@ class PerSampleGrads:
             return None
         x = args[0] if args else kwargs.get("input")  # module(input=x) passes it as a keyword
         if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
-            raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) was called "
-                             f"without a tensor input (args {len(args)}, keywords {sorted(kwargs)}) or returned "
-                             f"{type(output).__name__}; its per-sample gradients need module(input) -> Tensor")
+            raise ConvgradValueError(
+                f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) was called "
+                f"without a tensor input (args {len(args)}, keywords {sorted(kwargs)}) or returned "
+                f"{type(output).__name__}; its per-sample gradients need module(input) -> Tensor")
         self._calls += 1
         callback = functools.partial(self._backward, module, list(params), self._calls)
         return _Tap.apply(callback, x.detach(), output, *params.values())
@@ -291,10 +294,11 @@ class PerSampleGrads:
             return
         name = next(f"{'' if m is self.model else self._names[m] + '.'}{k}" for m, ps in self._trainable.items()
                     for k, p in ps.items() if p is param)
-        raise ValueError(f"PerSampleGrads: parameter {name!r} received a gradient from outside its module's forward "
-                         f"(used directly, as in F.conv2d(x, conv.weight), or in a loss term such as a weight "
-                         f"penalty); no per-sample gradient can include that use, so its norms and clipped sum would "
-                         f"be wrong. Call the module itself, and apply weight decay through the optimizer")
+        raise ConvgradValueError(
+            f"PerSampleGrads: parameter {name!r} received a gradient from outside its module's forward "
+            f"(used directly, as in F.conv2d(x, conv.weight), or in a loss term such as a weight "
+            f"penalty); no per-sample gradient can include that use, so its norms and clipped sum would "
+            f"be wrong. Call the module itself, and apply weight decay through the optimizer")
 
     def _remember_grads(self, params: list[nn.Parameter]) -> None:
         """Keep .grad as it was before this context's backward, for clip_and_accumulate to add to."""
@@ -361,12 +365,13 @@ class PerSampleGrads:
             torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
                 functools.partial(self._tasks.__setitem__, task, False))  # when this backward ends
         else:
-            raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) received "
-                             f"a second backward through a forward that the first backward did not reach: this "
-                             f"context already holds per-sample results of one batch, and another batch's samples "
-                             f"would be merged into them row by row. Use one context per micro-batch "
-                             f"(clip_and_accumulate adds their clipped sums to .grad), or call "
-                             f"clip_and_accumulate and then clear() before the next micro-batch's backward")
+            raise ConvgradValueError(
+                f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) received "
+                f"a second backward through a forward that the first backward did not reach: this "
+                f"context already holds per-sample results of one batch, and another batch's samples "
+                f"would be merged into them row by row. Use one context per micro-batch "
+                f"(clip_and_accumulate adds their clipped sums to .grad), or call "
+                f"clip_and_accumulate and then clear() before the next micro-batch's backward")
         self._seen.add(call)
 
     def _check_batch(self, module: nn.Module, n: int) -> None:
@@ -378,10 +383,11 @@ class PerSampleGrads:
             first = self._batch[1]
             other = "another call of it" if first is module else \
                 f"module {self._names[first]!r} ({type(first).__name__})"
-            raise ValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) saw a batch "
-                             f"of {n} samples along dim 0, but {other} saw {self._batch[0]}; every supported module "
-                             f"must be called on the whole batch, batch first (not on a part of it, nor with the "
-                             f"batch folded into another dim)")
+            raise ConvgradValueError(
+                f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) saw a batch "
+                f"of {n} samples along dim 0, but {other} saw {self._batch[0]}; every supported module "
+                f"must be called on the whole batch, batch first (not on a part of it, nor with the "
+                f"batch folded into another dim)")
 
     # ---- results --------------------------------------------------------------------------------
     def _per_sample(self) -> list[tuple[nn.Module, Grads | None, Layer | None, torch.Tensor | None]]:
@@ -443,7 +449,8 @@ class PerSampleGrads:
                 ``norms``.
         """
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
-            raise ValueError(f"PerSampleGrads.clip_and_accumulate: max_norm={max_norm!r} must be a positive number")
+            raise ConvgradValueError(
+                f"PerSampleGrads.clip_and_accumulate: max_norm={max_norm!r} must be a positive number")
         norms = self.norms()
         factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # (N,)
         clipped: dict[int, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""The measured choice of a layer's per-sample method, by the tuner of "auto" (``convgrad.backends.auto_tuning``).
+"""The measured choice of a layer's per-sample method, by the tuner of "auto" (``convgrad.tuning``).
 
 Three purposes, each a set of options for one conv layer (x, y: its two sides, see ``methods``):
     "grads"  all per-sample gradients:            unfold, conv, native
@@ -28,12 +28,10 @@ from collections.abc import Callable
 
 import torch
 
-from convgrad.backends import auto, auto_tuning, get_backend
-from convgrad.backends.auto_cache import Store, device_name
-from convgrad.backends.auto_tuning import Choice
+from convgrad.backends import get_backend
 from convgrad.per_sample import methods
 from convgrad.spec import ConvSpec
-from convgrad.tensor_ops import plain
+from convgrad.tuning import Choice, Store, bucketed, device_name, fixed, threads, tunable, tune
 
 __all__ = ["PURPOSES", "chosen", "estimates", "method_for", "options"]
 
@@ -43,8 +41,7 @@ Key = tuple[ConvSpec, str, torch.dtype, torch.device, int]
 
 
 def _key(spec: ConvSpec, purpose: str, like: torch.Tensor) -> Key:
-    threads = torch.get_num_threads() if like.device.type == "cpu" else 0
-    return auto.bucketed(spec), purpose, like.dtype, like.device, threads
+    return bucketed(spec), purpose, like.dtype, like.device, threads(like)
 
 
 def _key_text(key: Key) -> str:
@@ -155,7 +152,7 @@ def method_for(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, s
         ...     method_for(spec, x, y, "grads") in ("unfold", "conv", "native")  # the fastest here, timed
         True
     """
-    if auto.get_mode() == "fixed" or spec.batch == 0 or not (_tunable(x) and _tunable(y)):
+    if fixed() or spec.batch == 0 or not tunable(x, y):
         return _fixed(spec, purpose, store)
     key = _key(spec, f"{purpose}+store" if store else purpose, x)
     choice = _choices.lookup(key)
@@ -170,14 +167,10 @@ def chosen(spec: ConvSpec, purpose: str, like: torch.Tensor, store: bool = False
     return _choices.lookup(_key(spec, f"{purpose}+store" if store else purpose, like))
 
 
-def _tunable(t: torch.Tensor) -> bool:
-    return not torch.compiler.is_compiling() and plain(t) and t.device.type != "meta"
-
-
 def _tune(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store: bool) -> Choice:
     est = estimates(spec, purpose, store)
     reference = min(est, key=lambda n: (est[n], n != _fixed(spec, purpose, store)))
     with torch.no_grad():
-        choice, _ = auto_tuning.tune(options(spec, x, y, purpose, store), spec.batch, x.device, reference,
-                                     estimates=est, on=spec.batch)
+        choice, _ = tune(options(spec, x, y, purpose, store), spec.batch, x.device, reference, estimates=est,
+                         on=spec.batch)
     return dataclasses.replace(choice, pending=())  # the screening decides (module doc): its fastest

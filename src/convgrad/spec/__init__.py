@@ -45,4 +45,3 @@ from convgrad.spec.geometry import ConvSpec
 __all__ = ["ConvSpec", "FftDim", "PhaseTaps", "check_bias_sizes", "check_output_mask", "same_padding", "smooth_size",
            "tap_rows"]
 
-_ntuple = ntuple  # the name before the split, for branches written before it (new code: ``ntuple``)

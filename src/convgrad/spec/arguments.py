@@ -9,6 +9,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
+
 Pair = tuple[int, int]
 PaddingArg = int | str | Sequence[Any]
 IntOrTuple = int | Sequence[int]
@@ -36,16 +38,16 @@ def ntuple(fn: str, name: str, value: Any, n: int, minimum: int, *, broadcast: b
             values *= n
         if len(values) != n:
             rule = f"1 or {n}" if broadcast and n > 1 else f"{n}"
-            raise ValueError(f"{fn}: {name}={value!r} must have {rule} entries, one per spatial dim "
-                             f"(got {len(values)})")
+            raise ConvgradValueError(f"{fn}: {name}={value!r} must have {rule} entries, one per spatial dim "
+                                     f"(got {len(values)})")
     else:
-        raise TypeError(f"{fn}: {name}={value!r} must be an int or a tuple of {n} ints")
+        raise ConvgradTypeError(f"{fn}: {name}={value!r} must be an int or a tuple of {n} ints")
     for v in values:
         if not is_int(v):
-            raise TypeError(f"{fn}: {name}={value!r} must contain only ints (got {type(v).__name__})")
+            raise ConvgradTypeError(f"{fn}: {name}={value!r} must contain only ints (got {type(v).__name__})")
         if int(v) < minimum:
             rule = "positive" if minimum == 1 else f">= {minimum}"
-            raise ValueError(f"{fn}: {name}={value!r} must be {rule}")
+            raise ConvgradValueError(f"{fn}: {name}={value!r} must be {rule}")
     return tuple(int(v) for v in values)
 
 
@@ -62,16 +64,16 @@ def padding_pairs(fn: str, padding: PaddingArg, n: int, transposed: bool) -> tup
             return ((0, 0),) * n
         if padding == "same":
             if transposed:
-                raise ValueError(f"{fn}: padding='same' is not defined for a transposed convolution")
+                raise ConvgradValueError(f"{fn}: padding='same' is not defined for a transposed convolution")
             return "same"
-        raise ValueError(f"{fn}: padding={padding!r} must be an int, a tuple, 'same' or 'valid'")
+        raise ConvgradValueError(f"{fn}: padding={padding!r} must be an int, a tuple, 'same' or 'valid'")
     if isinstance(padding, Sequence) and any(isinstance(p, Sequence) and not isinstance(p, str) for p in padding):
         if len(padding) != n:
-            raise ValueError(f"{fn}: padding={padding!r} must have {n} (lo, hi) pairs, one per spatial dim")
+            raise ConvgradValueError(f"{fn}: padding={padding!r} must have {n} (lo, hi) pairs, one per spatial dim")
         pairs = []
         for p in padding:
             if not isinstance(p, Sequence) or isinstance(p, str) or len(p) != 2:
-                raise ValueError(f"{fn}: padding={padding!r} must mix no ints with (lo, hi) pairs")
+                raise ConvgradValueError(f"{fn}: padding={padding!r} must mix no ints with (lo, hi) pairs")
             lo, hi = ntuple(fn, "padding", tuple(p), 2, 0)
             pairs.append((lo, hi))
         return tuple(pairs)
@@ -108,26 +110,26 @@ def remember(key: tuple[Any, ...], spec: Any) -> None:
 
 def shape_tuple(fn: str, name: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, Sequence) or isinstance(shape, str):
-        raise TypeError(f"{fn}: {name}={shape!r} must be a sequence of ints")
+        raise ConvgradTypeError(f"{fn}: {name}={shape!r} must be a sequence of ints")
     return ntuple(fn, name, tuple(shape), len(shape), 0)
 
 
 def check_channels(fn: str, in_ch: int, out_ch: int, weight_shape: tuple[int, ...], groups: int,
                     transposed: bool) -> None:
     if in_ch < 1 or out_ch < 1:
-        raise ValueError(f"{fn}: channels must be positive (in_channels={in_ch}, out_channels={out_ch})")
+        raise ConvgradValueError(f"{fn}: channels must be positive (in_channels={in_ch}, out_channels={out_ch})")
     if in_ch % groups:
-        raise ValueError(f"{fn}: groups={groups} must divide in_channels={in_ch}")
+        raise ConvgradValueError(f"{fn}: groups={groups} must divide in_channels={in_ch}")
     if out_ch % groups:
-        raise ValueError(f"{fn}: groups={groups} must divide out_channels={out_ch}")
+        raise ConvgradValueError(f"{fn}: groups={groups} must divide out_channels={out_ch}")
     if transposed:
         if weight_shape[0] != in_ch:
-            raise ValueError(
+            raise ConvgradValueError(
                 f"{fn}: weight.shape={weight_shape} expects in_channels={weight_shape[0]} for a transposed conv, "
                 f"but input has {in_ch} channels"
             )
     elif weight_shape[1] * groups != in_ch:
-        raise ValueError(
+        raise ConvgradValueError(
             f"{fn}: weight.shape={weight_shape} with groups={groups} expects in_channels="
             f"{weight_shape[1] * groups}, but input has {in_ch} channels"
         )
@@ -137,11 +139,11 @@ def check_output_padding(fn: str, op: tuple[int, ...], stride: tuple[int, ...], 
                           transposed: bool) -> None:
     if not transposed:
         if any(op):
-            raise ValueError(f"{fn}: output_padding={op} is only allowed for a transposed convolution")
+            raise ConvgradValueError(f"{fn}: output_padding={op} is only allowed for a transposed convolution")
         return
     for p, s, d in zip(op, stride, dilation):
         if p >= max(s, d):
-            raise ValueError(
+            raise ConvgradValueError(
                 f"{fn}: output_padding={op} must be smaller than max(stride, dilation) in every dim "
                 f"(stride={stride}, dilation={dilation})"
             )
@@ -152,13 +154,13 @@ def check_extents(fn: str, input_size: tuple[int, ...], kernel: tuple[int, ...],
     """The kernel fits in the padded input (forward); the output of a transposed conv (``x_size``) is not empty."""
     for dim, (i, k, d, (lo, hi)) in enumerate(zip(input_size, kernel, dilation, padding)):
         if not transposed and d * (k - 1) + 1 > i + lo + hi:
-            raise ValueError(
+            raise ConvgradValueError(
                 f"{fn}: kernel extent dilation*(k-1)+1={d * (k - 1) + 1} is larger than the padded "
                 f"input {i}+{lo}+{hi}={i + lo + hi} in spatial dim {dim}"
             )
     if transposed and any(v < 1 for v in x_size):
-        raise ValueError(f"{fn}: the transposed convolution's output size {x_size} must be positive; "
-                         f"padding={padding} crops too much")
+        raise ConvgradValueError(f"{fn}: the transposed convolution's output size {x_size} must be positive; "
+                                 f"padding={padding} crops too much")
 
 
 def check_bias_sizes(fn: str, bias_sizes: Any, out_channels: int) -> None:
@@ -167,14 +169,15 @@ def check_bias_sizes(fn: str, bias_sizes: Any, out_channels: int) -> None:
         return
     if (not isinstance(bias_sizes, Sequence) or isinstance(bias_sizes, str) or list(bias_sizes) != [out_channels]
             or not is_int(bias_sizes[0])):  # [6.0] == [6] in Python
-        raise ValueError(f"{fn}: bias_sizes={bias_sizes!r} must be None or [out_channels]=[{out_channels}]")
+        raise ConvgradValueError(f"{fn}: bias_sizes={bias_sizes!r} must be None or [out_channels]=[{out_channels}]")
 
 
 def check_output_mask(fn: str, output_mask: Any) -> tuple[bool, bool, bool]:
     """output_mask must be three bools (grad_input, grad_weight, grad_bias)."""
     if (not isinstance(output_mask, Sequence) or isinstance(output_mask, str) or len(output_mask) != 3
             or not all(isinstance(m, bool) for m in output_mask)):
-        raise ValueError(f"{fn}: output_mask={output_mask!r} must be three bools (grad_input, grad_weight, grad_bias)")
+        raise ConvgradValueError(
+            f"{fn}: output_mask={output_mask!r} must be three bools (grad_input, grad_weight, grad_bias)")
     return (output_mask[0], output_mask[1], output_mask[2])
 
 
@@ -197,30 +200,30 @@ def normalise(input_shape: Sequence[int], weight_shape: Sequence[int], stride: I
     weight_shape = shape_tuple(fn, "weight.shape", weight_shape)
     n = len(weight_shape) - 2
     if n not in (1, 2, 3):
-        raise ValueError(f"{fn}: weight.shape={weight_shape} must have 3, 4 or 5 dims (1d, 2d or 3d conv)")
+        raise ConvgradValueError(f"{fn}: weight.shape={weight_shape} must have 3, 4 or 5 dims (1d, 2d or 3d conv)")
     input_shape = shape_tuple(fn, "input.shape", input_shape)
     if len(input_shape) not in (n + 1, n + 2):
-        raise ValueError(
+        raise ConvgradValueError(
             f"{fn}: input.shape={input_shape} must have {n + 2} dims (N, C, *spatial) "
             f"or {n + 1} (C, *spatial) for a {n}d weight of shape {weight_shape}"
         )
     unbatched = len(input_shape) == n + 1
     batched = (1, *input_shape) if unbatched else input_shape
     if not isinstance(transposed, bool):
-        raise TypeError(f"{fn}: transposed={transposed!r} must be a bool")
+        raise ConvgradTypeError(f"{fn}: transposed={transposed!r} must be a bool")
     if not is_int(groups):
-        raise TypeError(f"{fn}: groups={groups!r} must be an int")
+        raise ConvgradTypeError(f"{fn}: groups={groups!r} must be an int")
     if groups < 1:
-        raise ValueError(f"{fn}: groups={groups} must be positive")
+        raise ConvgradValueError(f"{fn}: groups={groups} must be positive")
     stride_t = ntuple(fn, "stride", stride, n, 1, broadcast=True)
     dilation_t = ntuple(fn, "dilation", dilation, n, 1, broadcast=True)
     op = ntuple(fn, "output_padding", output_padding, n, 0, broadcast=True)
     pads = padding_pairs(fn, padding, n, transposed)
     kernel = weight_shape[2:]
     if any(k < 1 for k in kernel):
-        raise ValueError(f"{fn}: weight.shape={weight_shape} has an empty kernel")
+        raise ConvgradValueError(f"{fn}: weight.shape={weight_shape} has an empty kernel")
     if any(v < 1 for v in batched[2:]):
-        raise ValueError(f"{fn}: input.shape={input_shape} has an empty spatial dim")
+        raise ConvgradValueError(f"{fn}: input.shape={input_shape} has an empty spatial dim")
     in_ch = batched[1]
     out_ch = weight_shape[1] * groups if transposed else weight_shape[0]
     check_channels(fn, in_ch, out_ch, weight_shape, int(groups), transposed)

@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from convgrad.errors import ConvgradValueError
 from convgrad.spec import chunks, formulation, report
 from convgrad.spec.arguments import SPECS, IntOrTuple, PaddingArg, Pair, check_extents, memo_key, normalise, remember
 from convgrad.spec.formulation import FftDim, PhaseTaps
@@ -351,7 +352,7 @@ class ConvSpec:
             ((1, 12, 9, 8), (18, 2, 3, 2), 6)
         """
         if self.batch < 1:
-            raise ValueError(f"{self.fn}: with_batch_in_groups needs batch >= 1, got batch={self.batch}")
+            raise ConvgradValueError(f"{self.fn}: with_batch_in_groups needs batch >= 1, got batch={self.batch}")
         n = self.batch
         return replace(self, batch=1, in_channels=n * self.in_channels, out_channels=n * self.out_channels,
                        groups=n * self.groups, unbatched=False)
@@ -376,7 +377,7 @@ class ConvSpec:
             ((8, 4, 9, 9), True)
         """
         if batch < 0:
-            raise ValueError(f"{self.fn}: batch={batch} must be >= 0")
+            raise ConvgradValueError(f"{self.fn}: batch={batch} must be >= 0")
         return self if batch == self.batch else replace(self, batch=batch)
 
     def with_merged_groups(self, merge: int) -> ConvSpec:
@@ -388,7 +389,7 @@ class ConvSpec:
             ValueError: merge does not divide groups.
         """
         if merge < 1 or self.groups % merge:
-            raise ValueError(f"{self.fn}: merge={merge} must divide groups={self.groups}")
+            raise ConvgradValueError(f"{self.fn}: merge={merge} must divide groups={self.groups}")
         return replace(self, groups=self.groups // merge)
 
     def macs(self) -> int:

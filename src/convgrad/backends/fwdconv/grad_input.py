@@ -33,6 +33,7 @@ from convgrad.backends.fwdconv.contractions import (
 )
 from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, slices
 from convgrad.backends.fwdconv.steps import Flip, Pad, Subsample, SwapGroupChannels, ZeroInsert, new_like, pad_or_fold
+from convgrad.errors import ConvgradValueError, MethodRefused
 from convgrad.spec import ConvSpec, Pair, PhaseTaps, output_rows, pad_split, padded_sizes, tap_rows
 from convgrad.tensor_ops import pad, pad_flat, sliced
 
@@ -91,7 +92,7 @@ def _x_plan(spec: ConvSpec, gradient: str, data: str, method: str | None, fn: st
         return _polyphase_plan(spec, gradient, data, reason)
     if chosen == "subpixel":
         return _subpixel_plan(spec, gradient, data, reason)
-    raise ValueError(f"{fn}: method={method!r} must be None or one of {INPUT_METHODS}")
+    raise ConvgradValueError(f"{fn}: method={method!r} must be None or one of {INPUT_METHODS}")
 
 
 @lru_cache(maxsize=256)
@@ -199,8 +200,8 @@ def _subpixel_plan(spec: ConvSpec, gradient: str, data: str, reason: str = "") -
     """x from y in one conv: every phase's taps side by side as output channels, then depth to space."""
     geometry = spec.subpixel_taps
     if geometry is None:
-        raise ValueError(f"plan_input_grad: method='subpixel' needs dilation dividing stride and a phase with taps "
-                         f"in every dim; {spec.describe()} has none")
+        raise MethodRefused("plan_input_grad", "subpixel", "needs dilation dividing stride and a phase with taps in "
+                            "every dim", f"{spec.describe()} has none")
     n_, cx, cy, g, nd = spec.batch, spec.x_channels, spec.y_channels, spec.groups, spec.n
     fused, pads, offsets = zip(*geometry)
     p = math.prod(spec.stride)

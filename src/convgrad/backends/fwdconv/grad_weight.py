@@ -34,6 +34,7 @@ from convgrad.backends.fwdconv.steps import (
     TapsToKernel,
     pad_or_fold,
 )
+from convgrad.errors import ConvgradValueError, MethodRefused
 from convgrad.spec import ConvSpec, Pair, output_rows, pad_split, padded_sizes
 from convgrad.tensor_ops import ONEDNN_DTYPES, batched_like, channels_innermost, sliced
 
@@ -55,10 +56,10 @@ def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
     x_name, y_name = ("grad_output", "input") if spec.transposed else ("input", "grad_output")
     chosen, reason = weight_method(spec) if method is None else (method, "forced")
     if chosen not in BUILDERS:
-        raise ValueError(f"plan_weight_grad: method={method!r} must be None or one of {WEIGHT_METHODS}")
+        raise ConvgradValueError(f"plan_weight_grad: method={method!r} must be None or one of {WEIGHT_METHODS}")
     why = refusal(chosen, spec)
     if why:  # even for a batch of 0, whose sum is empty: the method is wrong for the layer
-        raise ValueError(f"plan_weight_grad: method={chosen!r} {why}; {spec.describe()}")
+        raise MethodRefused("plan_weight_grad", chosen, why, spec.describe())
     if spec.batch == 0:
         return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), spec.weight_shape, "empty", "batch 0")
     data_steps, kernel_steps, conv, post = BUILDERS[chosen](spec)

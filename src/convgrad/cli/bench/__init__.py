@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from convgrad.cli import console as cli_console
+from convgrad.errors import ConvgradValueError
 
 __all__ = ["DEFAULT_BACKENDS", "add_arguments", "keep_malloc", "run"]
 
@@ -77,9 +78,9 @@ def _check(args: argparse.Namespace) -> list[str]:
     for name, low in (("threads", 1), ("repeats", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
-            raise ValueError(f"convgrad bench: --{name}={value} must be at least {low}")
+            raise ConvgradValueError(f"convgrad bench: --{name}={value} must be at least {low}")
     if args.min_time < 0:
-        raise ValueError(f"convgrad bench: --min-time={args.min_time} must not be negative")
+        raise ConvgradValueError(f"convgrad bench: --min-time={args.min_time} must not be negative")
     wanted = args.backends or [b for b in DEFAULT_BACKENDS if b in backend_names()]
     for b in wanted:
         get_backend(b, "convgrad bench")
@@ -94,14 +95,14 @@ def _device(name: str) -> Any:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"convgrad bench: --device={name} must be cpu, cuda, cuda:N or auto") from None
+        raise ConvgradValueError(f"convgrad bench: --device={name} must be cpu, cuda, cuda:N or auto") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"convgrad bench: --device={name} but no CUDA device is available")
+            raise ConvgradValueError(f"convgrad bench: --device={name} but no CUDA device is available")
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32, for native and the matmul alike
         torch.backends.cudnn.allow_tf32 = False
     elif device.type != "cpu":
-        raise ValueError(f"convgrad bench: --device={name} must be cpu, cuda, cuda:N or auto")
+        raise ConvgradValueError(f"convgrad bench: --device={name} must be cpu, cuda, cuda:N or auto")
     return device
 
 
@@ -153,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     backends = _check(args)
     if args.out.exists() and not args.out.is_dir():
-        raise ValueError(f"convgrad bench: --out={args.out} is an existing file, not a folder; --out names the folder "
-                         f"that gets results.json, results.md and the charts (give a new or existing folder)")
+        raise ConvgradValueError(
+            f"convgrad bench: --out={args.out} is an existing file, not a folder; --out names the folder "
+            f"that gets results.json, results.md and the charts (give a new or existing folder)")
     device = _device(args.device)
     malloc = keep_malloc() if args.malloc == "keep" else "system"
     work = [(layer, dtype) for dtype in args.dtype for layer in select(args.suite, args.layers, dtype)]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from fnmatch import fnmatch
 from typing import Any
 
+from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec
 
 __all__ = ["SUITES", "Layer", "select"]
@@ -187,13 +188,14 @@ def select(suite: str, patterns: list[str] | None = None, dtype: str = "float32"
         ValueError: an unknown suite, or patterns that match no layer.
     """
     if suite not in SUITES:
-        raise ValueError(f"convgrad bench: --suite={suite!r} must be one of {sorted(SUITES)}")
+        raise ConvgradValueError(f"convgrad bench: --suite={suite!r} must be one of {sorted(SUITES)}")
     layers = SUITES[suite]
     if patterns:
         picked = tuple(layer for layer in layers if any(fnmatch(layer.name, p) for p in patterns))
         if not picked:
-            raise ValueError(f"convgrad bench: --layers {' '.join(patterns)} match no layer of suite {suite!r}; "
-                             f"its layers are {[layer.name for layer in layers]}")
+            raise ConvgradValueError(
+                f"convgrad bench: --layers {' '.join(patterns)} match no layer of suite {suite!r}; "
+                f"its layers are {[layer.name for layer in layers]}")
         return picked
     if dtype == "float64":
         return tuple(layer for layer in layers if layer.float64)

@@ -16,6 +16,7 @@ from convgrad.cli import console as cli_console
 from convgrad.cli.check.configs import check_config, check_random
 from convgrad.cli.check.judge import DTYPES, GRADIENTS, Result
 from convgrad.cli.check.model import LayerCheck, check_model
+from convgrad.errors import ConvgradValueError
 
 __all__ = ["add_arguments", "run"]
 
@@ -148,7 +149,7 @@ def _backends(results: list[Result]) -> list[str]:
 
 def _run_config(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> list[Result]:
     if args.weight is None:
-        raise ValueError("check: --input needs --weight, e.g. --input 2,4,9,9 --weight 6,2,3,3")
+        raise ConvgradValueError("check: --input needs --weight, e.g. --input 2,4,9,9 --weight 6,2,3,3")
     with shapes_as_typed(_as_tuple(args.input), _as_tuple(args.weight)):
         spec, results = check_config(_as_tuple(args.input), _as_tuple(args.weight), args.stride,
                                      _pairs(args.padding, len(_as_tuple(args.weight)) - 2), args.dilation,
@@ -182,7 +183,7 @@ def _run_random(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> l
 
 def _run_model(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> list[Result]:
     if args.input_shape is None:
-        raise ValueError("check: --model needs --input-shape, e.g. --input-shape 8,3,32,32")
+        raise ConvgradValueError("check: --model needs --input-shape, e.g. --input-shape 8,3,32,32")
     with _progress(console, f"checking the convolutions of {args.model}") as update:
         layers = check_model(args.model, _as_tuple(args.input_shape), args.backend, dtype, args.device, args.seed,
                              progress=update)
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     backend was skipped (nothing was compared, so nothing was verified)."""
     console = _console()
     if args.dtype not in DTYPES:
-        raise ValueError(f"check: --dtype={args.dtype!r} must be one of {', '.join(DTYPES)}")
+        raise ConvgradValueError(f"check: --dtype={args.dtype!r} must be one of {', '.join(DTYPES)}")
     dtype = DTYPES[args.dtype]
     if args.model is not None:
         results = _run_model(console, args, dtype)

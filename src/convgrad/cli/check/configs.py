@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from convgrad.cli.check.judge import DTYPES, Result, check_gradients
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
 
 __all__ = ["check_config", "check_random", "random_config"]
@@ -56,7 +57,7 @@ def check_config(input_size: Any, weight_size: Any, stride: Any = 1, padding: An
 
     fn = "check"
     if dtype not in DTYPES.values():
-        raise TypeError(f"{fn}: dtype={dtype} must be one of {', '.join(DTYPES)}")
+        raise ConvgradTypeError(f"{fn}: dtype={dtype} must be one of {', '.join(DTYPES)}")
     spec = ConvSpec.from_shapes(input_size, weight_size, stride, padding, dilation, transposed, output_padding,
                                 groups, fn=fn)
     names = [get_backend(name, fn).name for name in backends or convgrad.backends()]
@@ -121,7 +122,7 @@ def check_random(count: int, seed: int = 0, dtype: torch.dtype = torch.float64,
         (3, False)
     """
     if count < 1:
-        raise ValueError(f"check: --random={count} must be positive")
+        raise ConvgradValueError(f"check: --random={count} must be positive")
     rng = random.Random(seed)
     out = []
     for i in range(count):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from convgrad.cli.check.judge import Result, check_gradients
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
 
 __all__ = ["LayerCheck", "check_model", "example_model", "load_factory"]
@@ -60,11 +61,11 @@ def _import(target: str, where: str) -> Any:
         return importlib.import_module(where)
     path = Path(where)
     if not path.is_file():
-        raise ValueError(f"check: --model={target!r}: there is no file {where!r}")
+        raise ConvgradValueError(f"check: --model={target!r}: there is no file {where!r}")
     name = f"_convgrad_model_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ValueError(f"check: --model={target!r}: {where!r} is not a Python file")
+        raise ConvgradValueError(f"check: --model={target!r}: {where!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up there
     spec.loader.exec_module(module)
@@ -90,7 +91,7 @@ def load_factory(target: str) -> Callable[[], Any]:
     """
     where, sep, attr = target.rpartition(":")
     if not sep or not where or not attr.isidentifier():
-        raise ValueError(f"check: --model={target!r} must be module:factory or path/to/file.py:factory")
+        raise ConvgradValueError(f"check: --model={target!r} must be module:factory or path/to/file.py:factory")
     folder = str(Path(where).resolve().parent) if where.endswith(".py") else os.getcwd()
     try:
         with _on_path(folder):
@@ -98,17 +99,17 @@ def load_factory(target: str) -> Callable[[], Any]:
     except ValueError:
         raise
     except Exception as err:  # the user's code: any failure to import it is theirs to fix
-        raise ValueError(f"check: --model={target!r}: cannot import {where!r} ({_first_line(err)})") from None
+        raise ConvgradValueError(f"check: --model={target!r}: cannot import {where!r} ({_first_line(err)})") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ValueError(f"check: --model={target!r}: {where} has no callable {attr!r}")
+        raise ConvgradValueError(f"check: --model={target!r}: {where} has no callable {attr!r}")
 
     def build() -> Any:
         try:
             with _on_path(folder):
                 return factory()
         except Exception as err:
-            raise ValueError(f"check: --model={target!r}: {attr}() failed ({_first_line(err)})") from None
+            raise ConvgradValueError(f"check: --model={target!r}: {attr}() failed ({_first_line(err)})") from None
 
     build.__name__ = attr
     return build
@@ -240,18 +241,18 @@ def check_model(target: str, input_shape: tuple[int, ...], backends: list[str] |
     names = [get_backend(name, fn).name for name in backends or convgrad.backends()]
     model = load_factory(target)()
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"check: --model={target!r} returned {type(model).__name__}, not a torch.nn.Module")
+        raise ConvgradTypeError(f"check: --model={target!r} returned {type(model).__name__}, not a torch.nn.Module")
     wide = torch.complex128 if dtype.is_complex else torch.float64
     device = default_device(device)
     x = torch.randn(input_shape, generator=torch.Generator().manual_seed(seed), dtype=wide).to(device)
     try:
         calls = _record(model.to(device=device, dtype=wide), x.requires_grad_(), seed)
     except Exception as err:  # the user's model: a wrong input shape, a dtype it cannot run in, ...
-        raise ValueError(f"check: --model={target!r} fails on --input-shape={','.join(map(str, input_shape))} "
-                         f"({_first_line(err)})") from None
+        raise ConvgradValueError(f"check: --model={target!r} fails on --input-shape={','.join(map(str, input_shape))} "
+                                 f"({_first_line(err)})") from None
     calls = [call for call in calls if call[3]]  # a conv whose output reaches no loss has no gradient to check
     if not calls:
-        raise ValueError(f"check: --model={target!r} has no convolution layers to check")
+        raise ConvgradValueError(f"check: --model={target!r} has no convolution layers to check")
     counts, seen = Counter(call[0] for call in calls), Counter[str]()
     layers = []
     for i, call in enumerate(calls):

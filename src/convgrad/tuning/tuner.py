@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["PREFER_NATIVE", "PRUNE_ESTIMATE", "SCREEN_DROP", "SPLIT_MARGIN", "Choice", "Exploration", "Screen",
-           "agrees", "decide", "prune", "screen", "screen_batch", "tune"]
+__all__ = ["PREFER_NATIVE", "PRUNE_ESTIMATE", "SCREEN_DROP", "SPLIT_MARGIN", "Choice", "Exploration", "Result", "Run",
+           "Screen", "agrees", "decide", "prune", "screen", "screen_batch", "timed", "tune"]
 
 Result = Any  # a gradient, a (grad_input, grad_weight) pair, or whatever the options compute
 Run = Callable[[int], Result]  # run(n): the result for the first n samples of the batch
@@ -46,8 +46,8 @@ _AGREE = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-3, 1e-6), torch.float
           torch.bfloat16: (5e-2, 1e-2)}
 # Rounds of an exploration: at least _MIN_ROUNDS unless _ELIMINATE leaves one option; a clear call (runner-up
 # _CLEAR_MARGIN slower than the best) settles there. A close call goes on with the options within _CLEAR_MARGIN of
-# the best (and the anchor), up to _CLOSE_ROUNDS rounds. Three rounds of a 70 ms layer had U-Net's up-conv tune
-# fwdconv 3% faster than native; `convgrad bench` then measured it 1.07x native.
+# the best (and the anchor), up to _CLOSE_ROUNDS rounds: three rounds alone misranked a close call
+# (benchmarks/results/auto_margins.md).
 _MIN_ROUNDS, _CLOSE_ROUNDS = 3, 7
 _CLEAR_MARGIN = 1.1
 # Before _MIN_ROUNDS, an option over this factor of the best after round r is dropped (and the exploration settles
@@ -56,20 +56,14 @@ _CLEAR_MARGIN = 1.1
 _ELIMINATE = {1: 1.25, 2: 1.15}
 # Another option replaces the incumbent (native, or the backend that won both gradients) only when it beats it by
 # more than PREFER_NATIVE; "split" must beat every single option by SPLIT_MARGIN. A tuning's timings carry noise, and
-# the speeds drift within a process, so a winner by less than that may be slower when measured again. A smaller
-# margin lost more than it won in `convgrad bench` (2 threads, 36 rounds): at 1.5%, U-Net's up-conv chose gemm and
-# ResNet-50's 3x3 at 7 chose fwdconv, then measured 1.068x and 1.050x native; a win lost to the margin costs at most
-# its size (wav2vec2's k3/2: 3.7%, which the incumbent rule now keeps). Split is held to 5%: it is two calls that
-# share nothing (native's backward reorders grad_output once for both gradients), and tunings flattered it by up
-# to 6%: U-Net's up-conv tuned split over 3% faster than native, then measured 1.044x native.
+# the speeds drift within a process, so a winner by less than that may be slower when measured again; a smaller
+# margin lost more than it won, and tunings flattered "split" (two calls that share nothing) by up to 6%
+# (benchmarks/results/auto_margins.md, made by `convgrad bench --suite all --threads 2 --repeats 36`).
 PREFER_NATIVE, SPLIT_MARGIN = 1.03, 1.05
 # Screening: a slice of SCREEN_FRACTION-th of the batch, but at least SCREEN_MIN samples; an option over SCREEN_DROP
 # times the fastest there is dropped. A slice is a coarse guide, so the factor is generous and the survivors are
-# settled on the whole batch: benchmarks/auto_screen.py timed every backend of 28 layers (convgrad bench's suite
-# and a CIFAR ResNet-18's convs, 2 busy shared cores) on the slice and on the whole batch. Per-sample speeds move
-# with the batch (a slice fits in the caches; oneDNN splits a batch of one differently), and on that machine one
-# slice timing in three was delayed by other load, so the factor keeps an option unless it is far behind; see the
-# commit that set it for the figures.
+# settled on the whole batch: per-sample speeds move with the batch (a slice fits in the caches), so the factor
+# keeps an option unless it is far behind (benchmarks/results/auto_screen.json, made by benchmarks/auto_screen.py).
 SCREEN_FRACTION, SCREEN_MIN, SCREEN_DROP = 8, 4, 2.0
 # Pruning by cost model: an option estimated over PRUNE_ESTIMATE times the cheapest is never run.
 PRUNE_ESTIMATE = 4.0
@@ -111,7 +105,7 @@ def screen_batch(batch: int) -> int:
     """The batch options are screened on: an eighth of ``batch``, rounded up, at least 4 samples (at most all).
 
     Examples:
-        >>> from convgrad.backends.auto_tuning import screen_batch
+        >>> from convgrad.tuning.tuner import screen_batch
         >>> [screen_batch(n) for n in (0, 1, 8, 9, 32, 33, 256)]
         [0, 1, 4, 4, 4, 5, 32]
     """
@@ -122,7 +116,7 @@ def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = ()) -> set[str
     """The options a cost model rules out: estimated over PRUNE_ESTIMATE times the cheapest (never those in keep).
 
     Examples:
-        >>> from convgrad.backends.auto_tuning import prune
+        >>> from convgrad.tuning.tuner import prune
         >>> sorted(prune({"ghost": 45.0, "unfold": 10.0, "conv": 30.0}))
         ['ghost']
     """
@@ -150,10 +144,10 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
             return Screen({}, (), {reference: ref}, n)
         # one probe at a time beside the reference's: a per-sample option's result can be hundreds of MiB
         ok = [name for name in options if name == reference or agree(options[name](n), ref)]
-        times = {name: _timed(lambda r=options[name]: r(n), device)[1] * scale for name in ok}
+        times = {name: timed(lambda r=options[name]: r(n), device)[1] * scale for name in ok}
         for name in ok:  # a call delayed by other load must not drop an option: those to be dropped run once more
             if times[name] > SCREEN_DROP * min(times.values()):
-                times[name] = min(times[name], _timed(lambda r=options[name]: r(n), device)[1] * scale)
+                times[name] = min(times[name], timed(lambda r=options[name]: r(n), device)[1] * scale)
     return Screen(times, tuple(name for name in options if name not in ok), {reference: ref}, n)
 
 
@@ -166,7 +160,7 @@ def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected:
     incumbent if it survived, else the fastest) first.
 
     Examples:
-        >>> from convgrad.backends.auto_tuning import decide
+        >>> from convgrad.tuning.tuner import decide
         >>> c = decide(32, {"native": 3.0, "fwdconv": 1.0, "gemm": 2.5}, "native", keep=("native",))
         >>> c.backend, c.pending
         ('fwdconv', ('native', 'fwdconv'))
@@ -193,7 +187,7 @@ def tune(options: Mapping[str, Run], batch: int, device: torch.device, reference
 
     Examples:
         >>> import torch
-        >>> from convgrad.backends.auto_tuning import tune
+        >>> from convgrad.tuning.tuner import tune
         >>> x = torch.randn(64, 256)
         >>> options = {"native": lambda n: x[:n] @ x[:n].T, "wrong": lambda n: torch.zeros(n, n)}
         >>> choice, _ = tune(options, 64, torch.device("cpu"))
@@ -232,7 +226,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(option: Callable[[], Result], device: torch.device) -> tuple[Result, float]:
+def timed(option: Callable[[], Result], device: torch.device) -> tuple[Result, float]:
+    """The option's result and its wall time in seconds (the device synchronized before and after)."""
     _sync(device)
     start = time.perf_counter()
     out = option()
@@ -270,7 +265,7 @@ class Exploration:
     returns the settled winner once there is one.
 
     Examples:
-        >>> from convgrad.backends.auto_tuning import Exploration
+        >>> from convgrad.tuning.tuner import Exploration
         >>> explore, seconds, settled = Exploration(("native", "gemm")), {"native": 1.0, "gemm": 0.5}, None
         >>> while settled is None:
         ...     name, timed = explore.next()

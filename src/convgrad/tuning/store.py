@@ -24,14 +24,15 @@ from typing import Any
 
 import torch
 
-from convgrad.backends.auto_tuning import Choice, Exploration, Result, _timed
+from convgrad.tuning.tuner import Choice, Exploration, Result, timed
 
-__all__ = ["FORMAT", "Store", "cache_path", "clear", "device_name", "entry", "forget", "reset_all", "save"]
+__all__ = ["DRIFT", "DRIFT_CALLS", "DRIFT_MIN_S", "FORMAT", "MAX_RETUNES", "Store", "cache_path", "clear",
+           "device_name", "entry", "forget", "reset_all", "save"]
 
 FORMAT = 2  # of the cache file; a file of another format is ignored (format 1 stored "split" without its parts)
 # The watch: calls this many times slower per sample than tuned, this many in a row, re-tune; choices tuned faster
-# than _DRIFT_MIN_S are not watched (cold caches alone slow down tiny calls, and little is lost)
-_DRIFT, _DRIFT_CALLS, _MAX_RETUNES, _DRIFT_MIN_S = 2.0, 3, 2, 1e-3
+# than DRIFT_MIN_S are not watched (cold caches alone slow down tiny calls, and little is lost)
+DRIFT, DRIFT_CALLS, MAX_RETUNES, DRIFT_MIN_S = 2.0, 3, 2, 1e-3
 _STORES: list[Store] = []
 
 _stored: dict[str, dict[str, Any]] = {}  # the cache file's entries, by key text
@@ -116,7 +117,7 @@ class Store(dict[Hashable, Choice]):
     def __init__(self, text: Callable[[Any], str], valid: Callable[[Choice], bool]) -> None:
         super().__init__()
         self.text, self.valid = text, valid
-        self.slow: dict[Hashable, int] = {}  # calls in a row that ran _DRIFT times slower than tuned
+        self.slow: dict[Hashable, int] = {}  # calls in a row that ran DRIFT times slower than tuned
         self.retunes: dict[Hashable, int] = {}
         self.exploring: dict[Hashable, Exploration] = {}
         _STORES.append(self)
@@ -162,11 +163,11 @@ class Store(dict[Hashable, Choice]):
         if not choice.pending:
             return self.watched(key, choice, batch, device, make(choice.backend))
         explore = self.exploring.setdefault(key, Exploration(choice.pending))
-        name, timed = explore.next()
-        if not timed:
+        name, is_timed = explore.next()
+        if not is_timed:
             explore.skip()
             return make(name)()
-        out, seconds = _timed(make(name), device)
+        out, seconds = timed(make(name), device)
         winner = explore.record(name, seconds / max(batch, 1))
         if winner is not None:
             del self.exploring[key]
@@ -177,16 +178,16 @@ class Store(dict[Hashable, Choice]):
     def watched(self, key: Hashable, choice: Choice, batch: int, device: torch.device,
                 run: Callable[[], Result]) -> Result:
         """Run the chosen option; on the CPU, time it, and forget the choice (the next call tunes again) once it
-        ran _DRIFT times slower per sample than tuned, _DRIFT_CALLS calls in a row, at most _MAX_RETUNES times."""
+        ran DRIFT times slower per sample than tuned, DRIFT_CALLS calls in a row, at most MAX_RETUNES times."""
         tuned = choice.times.get(choice.backend, 0.0)
-        if (device.type != "cpu" or tuned < _DRIFT_MIN_S or not (choice.batch and batch)
-                or self.retunes.get(key, 0) >= _MAX_RETUNES):
+        if (device.type != "cpu" or tuned < DRIFT_MIN_S or not (choice.batch and batch)
+                or self.retunes.get(key, 0) >= MAX_RETUNES):
             return run()
         start = time.perf_counter()
         out = run()
-        slow = (time.perf_counter() - start) / batch > _DRIFT * tuned / choice.batch
+        slow = (time.perf_counter() - start) / batch > DRIFT * tuned / choice.batch
         self.slow[key] = self.slow.get(key, 0) + 1 if slow else 0
-        if self.slow[key] >= _DRIFT_CALLS:
+        if self.slow[key] >= DRIFT_CALLS:
             self.retunes[key] = self.retunes.get(key, 0) + 1
             del self.slow[key]
             self.pop(key, None)

@@ -1,0 +1,120 @@
+"""The mode every measured choice shares ("tune" or "fixed"), and what a choice is keyed by besides its layer.
+
+"auto" (``convgrad.backends.auto``) and the per-sample methods (``convgrad.per_sample.tuning``) read the same
+mode, bucket batches the same way and refuse to time the same tensors, so that one switch
+(``CONVGRAD_AUTOTUNE=fixed``) makes both deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from convgrad.tensor_ops import plain
+from convgrad.errors import ConvgradValueError
+
+if TYPE_CHECKING:  # a spec is only passed through: tuning sits beside spec, not above it
+    from convgrad.spec import ConvSpec
+
+__all__ = ["MODES", "batch_bucket", "bucketed", "fixed", "get_mode", "set_mode", "threads", "tunable",
+           "tuning_mode"]
+
+MODES = ("tune", "fixed")
+_mode: str | None = None  # None: not read from the environment yet
+
+
+def set_mode(mode: str) -> str:
+    """Switch every measured choice between ``"tune"`` (time candidates on first use) and ``"fixed"`` (no timing:
+    native for "auto", the cost model for the per-sample methods).
+
+    Args:
+        mode: ``"tune"`` or ``"fixed"``.
+
+    Returns:
+        The previous mode.
+
+    Raises:
+        ValueError: an unknown mode.
+
+    Examples:
+        >>> from convgrad.backends import auto
+        >>> previous = auto.set_mode("fixed")
+        >>> auto.get_mode()
+        'fixed'
+        >>> _ = auto.set_mode(previous)
+    """
+    global _mode
+    if mode not in MODES:
+        raise ConvgradValueError(f"set_mode: mode={mode!r} must be one of {MODES}")
+    previous, _mode = get_mode(), mode
+    return previous
+
+
+def get_mode() -> str:
+    """The current mode; on first use read from ``CONVGRAD_AUTOTUNE`` (default ``"tune"``)."""
+    global _mode
+    if _mode is None:
+        env = os.environ.get("CONVGRAD_AUTOTUNE", "tune").strip().lower() or "tune"
+        if env not in MODES:
+            raise ConvgradValueError(f"convgrad: CONVGRAD_AUTOTUNE={env!r} must be one of {MODES}")
+        _mode = env
+    return _mode
+
+
+def fixed() -> bool:
+    """Whether the mode is "fixed" (every call of every layer asks: one global read once the mode is known)."""
+    return _mode == "fixed" or (_mode is None and get_mode() == "fixed")
+
+
+@contextlib.contextmanager
+def tuning_mode(mode: str) -> Iterator[None]:
+    """Run a block in the given mode, then restore the previous one."""
+    previous = set_mode(mode)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+def batch_bucket(batch: int) -> int:
+    """The batch size a choice is tuned for: the next power of two (0 stays 0).
+
+    Batches that share a bucket share one tuning. DP-SGD with Poisson sampling (Opacus, our
+    examples/dp_sgd_digits.py) draws a new batch size at every step; keyed by the exact size, every
+    step would tune again. Within a factor of two the ranking of the candidates hardly moves.
+
+    Args:
+        batch: N, the batch size of the configuration (int, >= 0).
+
+    Returns:
+        The smallest power of two >= ``batch``; 0 for an empty batch.
+
+    Examples:
+        >>> from convgrad.backends import auto
+        >>> [auto.batch_bucket(n) for n in (0, 1, 3, 4, 300)]
+        [0, 1, 4, 4, 512]
+    """
+    return 1 << (batch - 1).bit_length() if batch > 0 else 0
+
+
+@functools.lru_cache(maxsize=1024)
+def bucketed(spec: ConvSpec) -> ConvSpec:
+    """The spec with its batch bucketed (cached: every call of every layer looks its choice up)."""
+    return spec.with_batch(batch_bucket(spec.batch))
+
+
+def threads(like: torch.Tensor) -> int:
+    """The CPU threads a choice on tensors like ``like`` was timed with (0 off the CPU): a key of every choice."""
+    return torch.get_num_threads() if like.device.type == "cpu" else 0
+
+
+def tunable(*tensors: torch.Tensor) -> bool:
+    """Real tensors only: no tuning while compiling, on meta/fake tensors, subclasses, or under vmap or forward AD."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(plain(t) and t.device.type != "meta" for t in tensors)
