@@ -8,6 +8,7 @@ aten.convolution_backward nor a transposed aten.convolution.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -507,3 +508,31 @@ def test_batch_fold_lays_out_the_samples_in_its_order(order: str, perm: tuple[in
     namespace: dict[str, Any] = {"t": x}
     exec("\n".join(fold.code("t", tuple(x.shape))), namespace)  # its script lines compute the same
     torch.testing.assert_close(namespace["t"], expected, rtol=0, atol=0)
+
+
+PER_SAMPLE_PLAN_CASES = [
+    *PHASE_CASES,
+    Case((3, 6, 11, 9), (6, 2, 3, 2), stride=(2, 3), padding=((1, 2), (0, 1)), dilation=(2, 1), groups=3,
+         name="groups3-asymmetric-dilated-strided"),
+    Case((2, 4, 5, 5), (4, 3, 4, 4), stride=2, padding=1, output_padding=1, transposed=True,
+         name="transposed-output-padding"),
+    Case((0, 2, 7), (3, 2, 3), stride=2, name="batch-0"),
+    Case((1, 3, 7, 7), (5, 3, 2, 4), padding=((0, 1), (2, 0)), name="batch-1-even-kernel"),
+]
+
+
+@pytest.mark.parametrize("case", PER_SAMPLE_PLAN_CASES, ids=str)
+def test_the_per_sample_weight_plan_gives_each_samples_own_gradient(case: Case) -> None:
+    """plan_per_sample_weight_grad's rows n*C_y.. are sample n's weight gradient (float64, against autograd on that
+    sample alone); its samples summed are plan_weight_grad's per_sample result."""
+    t = make_tensors(case)
+    spec = case.spec()
+    x, y = (t["grad_output"], t["input"]) if spec.transposed else (t["input"], t["grad_output"])
+    got = execute(grad_weight.plan_per_sample_weight_grad(spec), x, y).reshape(spec.batch, *spec.weight_shape)
+    assert got.shape == (spec.batch, *spec.weight_shape)
+    one = dataclasses.replace(case, input_shape=(1, *case.input_shape[1:]))
+    for n in range(spec.batch):
+        ref = reference_grads(one, {k: v[n:n + 1] if k in ("input", "grad_output") else v for k, v in t.items()})
+        torch.testing.assert_close(got[n], ref["grad_weight"], **TOL[torch.float64])
+    summed = execute(plan_weight_grad(spec, "per_sample"), x, y)
+    torch.testing.assert_close(got.sum(0), summed, **TOL[torch.float64])

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 import torch
 
 from convgrad.backends import get_backend
-from convgrad.backends.fwdconv import BatchFold, Conv, Step, pad_or_fold
+from convgrad.backends.fwdconv import execute, plan_per_sample_weight_grad
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad, plain, windows
 
@@ -224,20 +224,10 @@ def _unfold(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor 
 
 
 def _conv(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The fwdconv weight-gradient plan with the batch folded into the groups instead of summed."""
-    n, g, cxg = spec.batch, spec.groups, spec.x_channels // spec.groups
-    x_shape = (n, spec.x_channels)
-    pad_steps, conv_pad, padded = pad_or_fold(spec.x_read_pads, (*x_shape, *spec.x_size),
-                                               (*x_shape, *spec.x_read_size))
-    conv = Conv(spec.dilation, conv_pad, spec.stride, n * g, (cxg, n * spec.y_channels, *spec.kernel_size))
-    steps: list[Step] = [*pad_steps, BatchFold(g, "sample_major", (cxg, n * g, *padded[2:]))]
-    for step in steps:
-        x = step(x)  # (C_x/g, N·g, *i) at the end: one group per (sample, group)
-    kernel = y.reshape(n * spec.y_channels, 1, *spec.y_size)  # (N·C_y, 1, *o), ordered (sample, group, C_y/g)
-    out = conv(x, kernel).view(cxg, n, spec.y_channels, *spec.kernel_size)  # (C_x/g, N, C_y, *k)
-    out = out.permute(1, 2, 0, *range(3, 3 + spec.n))  # (N, C_y, C_x/g, *k), a view
+    """The fwdconv per-sample plan: the grad-of-w conv with the batch folded into the groups instead of summed."""
+    out = execute(plan_per_sample_weight_grad(spec), x, y)  # (N·C_y, C_x/g, *k), a transposed view
+    out = out.view(spec.batch, *spec.weight_shape)  # (N, C_y, C_x/g, *k)
     return empty(tuple(out.shape), out).copy_(out)
-
 
 
 def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -259,19 +249,17 @@ def _native(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _native_call(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    inp, gy = (y, x) if spec.transposed else (x, y)  # the conv's input and grad_output
-    folded = spec.with_batch_in_groups()
-    gw = get_backend("native").weight_grad(folded, inp.reshape(1, -1, *inp.shape[2:]),  # (1, N·C_in, *i)
-                                           gy.reshape(1, -1, *gy.shape[2:]))  # (1, N·C_out, *o) -> (N·w0, *w[1:])
-    return gw.view(spec.batch, *spec.weight_shape)  # (N, *weight_shape): sample n's block
+    """One call of PyTorch's weight gradient on the batch folded into the groups (``_native`` chunks the batch)."""
+    return _folded("native", spec, x, y)
 
 
-def _fft(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The fft backend's weight gradient of the batch folded into the groups: (N, *weight_shape)."""
+def _folded(backend: str, spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A backend's weight gradient of the batch folded into the groups (``ConvSpec.with_batch_in_groups``):
+    (N, *weight_shape), sample n's gradient its group block n."""
     inp, gy = (y, x) if spec.transposed else (x, y)  # the conv's input and grad_output
     folded_input = inp.reshape(1, -1, *inp.shape[2:])  # (1, N·C_in, *i)
     folded_grad = gy.reshape(1, -1, *gy.shape[2:])  # (1, N·C_out, *o)
-    gw = get_backend("fft").weight_grad(spec.with_batch_in_groups(), folded_input, folded_grad)  # (N·w0, *w[1:])
+    gw = get_backend(backend).weight_grad(spec.with_batch_in_groups(), folded_input, folded_grad)  # (N·w0, *w[1:])
     return gw.view(spec.batch, *spec.weight_shape)  # (N, *weight_shape): sample n's block
 
 
@@ -283,7 +271,7 @@ def weight_grad(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, method: str) -
     if method == "native":
         return _native(spec, x, y)
     if method == "fft":
-        return _fft(spec, x, y)
+        return _folded("fft", spec, x, y)
     return _conv(spec, x, y) if method == "conv" else _unfold(spec, x, y)
 
 

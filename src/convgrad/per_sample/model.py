@@ -4,11 +4,11 @@ How it hooks in, per supported module and forward call:
     pre-hook      swap the trainable parameters for detached aliases, so that the
                   module's own backward computes grad_input only (no batch-summed
                   weight gradient that would be thrown away or recomputed);
-    forward hook  put the parameters back and pass the output through _Tap, an
+    forward hook  put the parameters back and pass the output through tap.Tap, an
                   identity marked as in-place (so later in-place ops such as
                   ReLU(inplace=True) stay legal) whose inputs are the output and
                   the parameters;
-    _Tap backward receives grad_output, hands it with the saved input to the
+    Tap backward  receives grad_output, hands it with the saved input to the
                   module's rule (``convgrad.per_sample.rules``) and returns, as
                   the parameters' ordinary gradients, the sum of the per-sample
                   ones (norms_only or DDP: none; clip_and_accumulate adds to .grad).
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -34,47 +33,13 @@ from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.per_sample import distributed
 from convgrad.per_sample.methods import one_layer, sq_norms
 from convgrad.per_sample.rules import SAMPLE_MIXING, Grads, Layer, mixes_samples, rule_for
+from convgrad.per_sample.tap import BatchGuard, Record, Tap
 
 __all__ = ["PerSampleGrads"]
 
 
-class _Tap(torch.autograd.Function):
-    """Identity on a module's output; its backward runs PerSampleGrads on grad_output (see the module doc)."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Any, input: torch.Tensor, output: torch.Tensor,
-                *params: torch.Tensor) -> torch.Tensor:
-        # saved, not kept on ctx: autograd frees it once this node has run (unless retain_graph), as it frees the
-        # module's own saved input; an attribute would keep every layer's input alive to the end of the backward.
-        # Saving also makes an in-place change of the input after the forward an error instead of a wrong gradient
-        ctx.callback = callback
-        ctx.save_for_backward(input)
-        if output._base is not None:  # a view cannot be marked dirty
-            return output.clone()
-        ctx.mark_dirty(output)  # an in-place identity: later in-place ops on the output stay legal
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        if torch.is_grad_enabled():
-            raise RuntimeError("PerSampleGrads: backward with create_graph=True is not supported; per-sample "
-                               "gradients are not differentiable (run it outside the `with` block)")
-        (input,) = ctx.saved_tensors
-        return (None, None, grad_output, *ctx.callback(input, grad_output))
-
-
 _SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn), Linear, GroupNorm, LayerNorm, "
               "BatchNorm in eval mode")
-
-
-@dataclass
-class _Record:
-    """What one module left in this backward: a squared norm and either the gradients or the means to them."""
-
-    sq: torch.Tensor | None = None  # (N,), norms_only
-    grads: Grads | None = None  # materialised per-sample gradients, norms_only
-    layer: Layer | None = None  # kept instead of gradients when that is smaller
-    calls: int = 0
 
 
 class PerSampleGrads:
@@ -199,13 +164,11 @@ class PerSampleGrads:
         self._check_tied(fn)
         self._handles: list[Any] = []
         self._swapped: set[nn.Module] = set()
-        self._records: dict[nn.Module, _Record] = {}
+        self._records: dict[nn.Module, Record] = {}
         self._before: dict[int, torch.Tensor | None] = {}  # id(param) -> .grad before this context's backward
         self._no_sync = contextlib.ExitStack()
-        self._batch: tuple[int, nn.Module] | None = None  # the first module's batch size, and that module
-        self._calls = 0  # forward calls of supported modules so far, numbering each call's _Tap
-        self._seen: set[int] = set()  # the calls whose backward has run since clear()
-        self._tasks: dict[int, bool] = {}  # autograd graph task id -> still running, for the backwards accepted
+        self._guard = BatchGuard(self._names)
+        self._calls = 0  # forward calls of supported modules so far, numbering each call's Tap
 
     def _check_tied(self, fn: str) -> None:
         """norms_only keeps one squared norm per module, which cannot add up a parameter shared by two."""
@@ -244,8 +207,8 @@ class PerSampleGrads:
 
     def clear(self) -> None:
         """Forget every per-sample result: ``.grad_sample = None`` and no norms (called on entering)."""
-        self._records, self._before, self._batch = {}, {}, None
-        self._seen, self._tasks = set(), {}
+        self._records, self._before = {}, {}
+        self._guard.clear()
         for p in self._params():
             p.grad_sample = None  # type: ignore[attr-defined]
 
@@ -285,10 +248,10 @@ class PerSampleGrads:
                 f"{type(output).__name__}; its per-sample gradients need module(input) -> Tensor")
         self._calls += 1
         callback = functools.partial(self._backward, module, list(params), self._calls)
-        return _Tap.apply(callback, x.detach(), output, *params.values())
+        return Tap.apply(callback, x.detach(), output, *params.values())
 
     def _direct_use(self, param: nn.Parameter, grad: torch.Tensor | None) -> None:
-        """Hook on every trainable parameter: inside its module's forward it is swapped for a detached alias and _Tap
+        """Hook on every trainable parameter: inside its module's forward it is swapped for a detached alias and Tap
         hands autograd no gradient for it, so any gradient autograd brings comes from a use outside that forward."""
         if grad is None:
             return
@@ -309,8 +272,8 @@ class PerSampleGrads:
 
     def _backward(self, module: nn.Module, names: list[str], call: int, x: torch.Tensor,
                   grad_output: torch.Tensor) -> list[torch.Tensor | None]:
-        """One layer's part of the backward (see ``_Tap``), as ``methods.one_layer``: its scratch buffers go after."""
-        self._check_one_batch(module, call)
+        """One layer's part of the backward (see ``Tap``), as ``methods.one_layer``: its scratch buffers go after."""
+        self._guard.check_call(module, call)
         with one_layer():
             return self._layer_backward(module, names, x, grad_output)
 
@@ -320,7 +283,7 @@ class PerSampleGrads:
         scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
         x = x if x.dtype == grad_output.dtype else x.to(grad_output.dtype)  # autocast: the input's own dtype
         layer = self._rules[module](module, x, grad_output.detach(), scale)
-        self._check_batch(module, layer.x.shape[0])
+        self._guard.check_size(module, layer.x.shape[0])
         if not self.norms_only:
             grads = layer.grads()
             for k, g in grads.items():
@@ -333,7 +296,7 @@ class PerSampleGrads:
                     g = g.to(p.dtype)
                     p.grad = g if p.grad is None else p.grad.add_(g)
             return [None] * len(names)
-        rec = self._records.setdefault(module, _Record())
+        rec = self._records.setdefault(module, Record())
         rec.calls += 1
         if rec.calls > 1:  # a second call (or backward): norms do not add, gradients do
             first = rec.grads if rec.grads is not None else rec.layer.grads()  # type: ignore[union-attr]
@@ -347,47 +310,6 @@ class PerSampleGrads:
                 rec.sq = layer.ghost_sq_norms() if how == "ghost" else layer.materialised_sq_norms()
                 rec.layer = layer
         return [None] * len(names)
-
-    def _check_one_batch(self, module: nn.Module, call: int) -> None:
-        """Refuse a backward that would merge a second batch into this context's per-sample results.
-
-        The rows of .grad_sample and of the norms are samples; two calls add into the same rows only when they
-        are the same samples: calls back-propagated in one backward (a module called twice in a forward, two
-        forwards in one loss), or a call seen again (a second backward through a retained graph). A later
-        backward through calls not seen yet is another batch. Autograd numbers its graph tasks in order, so a
-        task is part of an accepted backward if it is one, runs inside one that is still running (a reentrant
-        checkpoint's recomputation), or started before one (the backward that a checkpoint's task ran inside)."""
-        task = torch._C._current_graph_task_id()  # the running backward, as torch.utils.checkpoint reads it
-        if task in self._tasks:
-            pass
-        elif not self._tasks or call in self._seen or any(self._tasks.values()) or task < max(self._tasks):
-            self._tasks[task] = True
-            torch.autograd.Variable._execution_engine.queue_callback(  # type: ignore[attr-defined]
-                functools.partial(self._tasks.__setitem__, task, False))  # when this backward ends
-        else:
-            raise ConvgradValueError(
-                f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) received "
-                f"a second backward through a forward that the first backward did not reach: this "
-                f"context already holds per-sample results of one batch, and another batch's samples "
-                f"would be merged into them row by row. Use one context per micro-batch "
-                f"(clip_and_accumulate adds their clipped sums to .grad), or call "
-                f"clip_and_accumulate and then clear() before the next micro-batch's backward")
-        self._seen.add(call)
-
-    def _check_batch(self, module: nn.Module, n: int) -> None:
-        """Every supported module must see the same samples along dim 0: per-sample results of different batch
-        sizes cannot be added (they would broadcast silently)."""
-        if self._batch is None:
-            self._batch = (n, module)
-        elif n != self._batch[0]:
-            first = self._batch[1]
-            other = "another call of it" if first is module else \
-                f"module {self._names[first]!r} ({type(first).__name__})"
-            raise ConvgradValueError(
-                f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) saw a batch "
-                f"of {n} samples along dim 0, but {other} saw {self._batch[0]}; every supported module "
-                f"must be called on the whole batch, batch first (not on a part of it, nor with the "
-                f"batch folded into another dim)")
 
     # ---- results --------------------------------------------------------------------------------
     def _per_sample(self) -> list[tuple[nn.Module, Grads | None, Layer | None, torch.Tensor | None]]:

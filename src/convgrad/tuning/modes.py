@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from convgrad.tensor_ops import plain
 from convgrad.errors import ConvgradValueError
+from convgrad.tensor_ops import plain
 
 if TYPE_CHECKING:  # a spec is only passed through: tuning sits beside spec, not above it
     from convgrad.spec import ConvSpec

@@ -25,7 +25,12 @@ import torch
 from convgrad.backends import Backend, register
 from convgrad.backends.fwdconv.contractions import Conv, MatMul, PhaseConvs
 from convgrad.backends.fwdconv.grad_input import INPUT_METHODS, plan_forward, plan_input_grad
-from convgrad.backends.fwdconv.grad_weight import WEIGHT_METHODS, im2col_weight_method, plan_weight_grad
+from convgrad.backends.fwdconv.grad_weight import (
+    WEIGHT_METHODS,
+    im2col_weight_method,
+    plan_per_sample_weight_grad,
+    plan_weight_grad,
+)
 from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, execute
 from convgrad.backends.fwdconv.steps import (
     BatchFold,
@@ -40,7 +45,7 @@ from convgrad.spec import ConvSpec
 
 __all__ = ["INPUT_METHODS", "WEIGHT_METHODS", "BatchFold", "Contraction", "Conv", "Flip", "FwdConvBackend", "MatMul",
            "Pad", "PhaseConvs", "Plan", "Step", "SwapBatchChannels", "SwapGroupChannels", "ZeroInsert", "execute",
-           "pad_or_fold", "plan_forward", "plan_input_grad", "plan_weight_grad"]
+           "pad_or_fold", "plan_forward", "plan_input_grad", "plan_per_sample_weight_grad", "plan_weight_grad"]
 
 
 def _planned(planner: Any, spec: ConvSpec, *method: str | None) -> Plan:

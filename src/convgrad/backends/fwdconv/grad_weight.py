@@ -41,8 +41,8 @@ from convgrad.tensor_ops import ONEDNN_DTYPES, batched_like, channels_innermost,
 Shape = tuple[int, ...]
 
 __all__ = ["BUILDERS", "ONEDNN_DTYPES", "PER_SAMPLE_MAX_BATCH", "PER_SAMPLE_MAX_CHANNELS", "TAPS_MAX_ELEMENTS",
-           "WEIGHT_METHODS", "PhasesToKernel", "StrideToDepth", "im2col_weight_method", "plan_weight_grad", "refusal",
-           "weight_method"]
+           "WEIGHT_METHODS", "PhasesToKernel", "StrideToDepth", "im2col_weight_method", "plan_per_sample_weight_grad",
+           "plan_weight_grad", "refusal", "weight_method"]
 
 WEIGHT_METHODS = ("kernel", "per_sample", "taps", "blocks", "phases")
 
@@ -269,16 +269,54 @@ def _kernel_plan(spec: ConvSpec) -> _Parts:
     return data_steps, (SwapBatchChannels((cy, n_, *spec.y_size)),), conv, post
 
 
-def _per_sample_plan(spec: ConvSpec) -> _Parts:
-    """The same conv per sample, the batch folded into the groups, then the samples summed."""
+def _samples_as_groups(spec: ConvSpec, pad_steps: tuple[Step, ...], padded: Shape, conv_pad: Shape,
+                       crop: tuple[Pair, ...]) -> _Parts:
+    """The conv of every sample on its own, the batch folded into the groups: its result (C_x/g, N*C_y, *k) holds
+    sample n's gradient in columns n*C_y to (n+1)*C_y. ``pad_steps`` .. ``crop``: how it reads x (``_x_pads``)."""
     g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
-    pad_steps, padded, conv_pad, crop = _x_pads(spec)
     data_steps = (*pad_steps, BatchFold(g, "sample_major", (cx // g, n_ * g, *padded[2:])))
     taps = tuple(k - lo - hi for k, (lo, hi) in zip(spec.kernel_size, crop))
     conv = Conv(spec.dilation, conv_pad, spec.stride, n_ * g, (cx // g, n_ * cy, *taps))
-    post = (*_crop_taps(spec, crop, (cx // g, n_ * cy)), SumSamples(n_, (cx // g, cy, *spec.kernel_size)),
-            SwapBatchChannels(spec.weight_shape))
-    return data_steps, (SamplesIntoChannels((n_ * cy, 1, *spec.y_size)),), conv, post
+    kernel_steps = (SamplesIntoChannels((n_ * cy, 1, *spec.y_size)),)
+    return data_steps, kernel_steps, conv, _crop_taps(spec, crop, (cx // g, n_ * cy))
+
+
+def _per_sample_plan(spec: ConvSpec) -> _Parts:
+    """The same conv per sample, the batch folded into the groups, then the samples summed."""
+    cx, cy = spec.x_channels // spec.groups, spec.y_channels
+    data_steps, kernel_steps, conv, crop = _samples_as_groups(spec, *_x_pads(spec))
+    post = (*crop, SumSamples(spec.batch, (cx, cy, *spec.kernel_size)), SwapBatchChannels(spec.weight_shape))
+    return data_steps, kernel_steps, conv, post
+
+
+@lru_cache(maxsize=1024)
+def plan_per_sample_weight_grad(spec: ConvSpec) -> Plan:
+    """The plan for per-sample weight gradients: the per_sample plan without its sum over the samples.
+
+    Its result, ``(N*C_y, C_x/g, *k)`` (a transposed view), holds sample n's weight gradient in rows n*C_y to
+    (n+1)*C_y: ``.view(N, *spec.weight_shape)``. Unlike the summed plans, x is padded by a step (``pad_or_fold``)
+    rather than read through a grown conv padding whose surplus results are cropped: here those results are N
+    times as many (``convgrad.per_sample``'s "conv" method, which runs this plan, has always padded x).
+
+    Examples:
+        >>> import torch
+        >>> from convgrad.backends.fwdconv import execute, plan_per_sample_weight_grad
+        >>> spec = ConvSpec.from_shapes((3, 4, 9, 8), (6, 2, 3, 2), stride=2, padding=1, groups=2)
+        >>> x, y = torch.randn(spec.input_shape), torch.randn(spec.output_shape)
+        >>> gw = execute(plan_per_sample_weight_grad(spec), x, y).view(3, *spec.weight_shape)  # (N, C_y, C_x/g, *k)
+        >>> torch.allclose(gw.sum(0), torch.nn.grad.conv2d_weight(x, spec.weight_shape, y, 2, 1, groups=2), atol=1e-5)
+        True
+    """
+    x_name, y_name = ("grad_output", "input") if spec.transposed else ("input", "grad_output")
+    shape = (spec.batch * spec.y_channels, spec.x_channels // spec.groups, *spec.kernel_size)
+    if spec.batch == 0:
+        return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), shape, "empty", "batch 0")
+    lead = (spec.batch, spec.x_channels)
+    pad_steps, conv_pad, padded = pad_or_fold(spec.x_read_pads, (*lead, *spec.x_size), (*lead, *spec.x_read_size))
+    data_steps, kernel_steps, conv, _ = _samples_as_groups(spec, tuple(pad_steps), padded, conv_pad,
+                                                           ((0, 0),) * spec.n)
+    return Plan("grad_weight", spec, x_name, y_name, data_steps, kernel_steps, conv, (SwapBatchChannels(shape),),
+                shape, "per_sample", "per-sample gradients: per-sample convs, not summed")
 
 
 def _taps_plan(spec: ConvSpec) -> _Parts:
