@@ -52,6 +52,8 @@ def describe(obj: Any) -> Any:
 
 def snapshot() -> dict[str, Any]:
     """Every module's ``__all__`` (sorted) with each name described."""
+    for modname in MODULES:  # every module imported first: importing convgrad.explain rebinds convgrad.explain
+        importlib.import_module(modname)
     out: dict[str, Any] = {}
     for modname in MODULES:
         module = importlib.import_module(modname)
