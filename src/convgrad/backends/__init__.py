@@ -17,7 +17,7 @@ import pkgutil
 import sys
 import types
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeAlias, TypeVar
 
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 
@@ -31,6 +31,8 @@ __all__ = ["Backend", "FusedBackend", "backend_names", "get_backend", "register"
 _REGISTRY: dict[str, Backend] = {}
 _loaded = False  # not `not _REGISTRY`: importing one backend module directly registers it alone
 _B = TypeVar("_B", bound="type[Backend]")
+# (grad_input, grad_weight), None where not asked for; a string so that this module need not import torch
+Grads: TypeAlias = "tuple[torch.Tensor | None, torch.Tensor | None]"
 
 
 class Backend(ABC):

@@ -57,24 +57,18 @@ import torch
 from convgrad import tuning
 from convgrad.backends import Backend, backend_names, get_backend, register
 from convgrad.spec import ConvSpec
-from convgrad.tuning import (
+from convgrad.tuning import (  # auto's documented names, kept from before tuning/ had its own package
     PREFER_NATIVE,
     SPLIT_MARGIN,
     Choice,
-    Result,
-    Store,
     batch_bucket,
-    bucketed,
     cache_path,
     device_name,
-    fixed,
     get_mode,
     set_mode,
-    threads,
-    tunable,
     tuning_mode,
 )
-from convgrad.tuning import tune as _tune
+from convgrad.tuning import tune as _tune  # a module name, so that tests can count the tunings
 
 __all__ = ["FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path", "candidates",
            "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
@@ -94,7 +88,7 @@ def clear() -> None:
 def _key(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Key:
     """(spec with its batch bucketed, gradient, dtype, device, channels last, CPU threads): what a choice depends on."""
     last = like.dim() >= 3 and like.shape[1] > 1 and like.stride(1) == 1 and not like.is_contiguous()
-    return bucketed(spec), gradient, like.dtype, like.device, last, threads(like)
+    return tuning.bucketed(spec), gradient, like.dtype, like.device, last, tuning.threads(like)
 
 
 def _key_text(key: Key) -> str:
@@ -112,7 +106,7 @@ def _valid(choice: Choice) -> bool:
             and len(choice.parts) in ((2,) if splits else (0, 2)))
 
 
-_choices = Store(_key_text, _valid)
+_choices = tuning.Store(_key_text, _valid)
 
 
 def chosen(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Choice | None:
@@ -178,7 +172,7 @@ def _tune_both(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
 
 
 def _both_call(name: str, parts: tuple[str, ...], spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor,
-               weight: torch.Tensor) -> Callable[[], Result]:
+               weight: torch.Tensor) -> Callable[[], tuning.Result]:
     """Both gradients by one option: a backend's own backward, or "split" (its parts one after the other)."""
     if name == "split":
         bi, bw = map(get_backend, parts)
@@ -199,7 +193,7 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     the tensors cannot be timed (compiling, vmap, forward AD, meta)."""
     from convgrad.backends.native import forward as native_forward  # native imports this package's registry
 
-    if torch.compiler.is_compiling() or get_mode() == "fixed" or not tunable(input, weight):
+    if torch.compiler.is_compiling() or get_mode() == "fixed" or not tuning.tunable(input, weight):
         return native_forward(spec, input, weight, bias)
     key = _key(spec, "forward", input)
     known = _choices.lookup(key)
@@ -261,20 +255,20 @@ class AutoBackend(Backend):
 
     @staticmethod
     def _tuning(*tensors: torch.Tensor | None) -> bool:
-        if fixed():
+        if tuning.fixed():
             return False
-        return tunable(*(t for t in tensors if t is not None))
+        return tuning.tunable(*(t for t in tensors if t is not None))
 
     def _grad(self, spec: ConvSpec, gradient: str, call: Gradient, grad_output: torch.Tensor,
               operand: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or fixed():
+        if torch.compiler.is_compiling() or tuning.fixed():
             # while torch.compile traces, as for both gradients (_tuning): no tuning, no lookup of a choice by a key
             # (torch.get_num_threads in it is untraceable), and no eager timing decides what a graph computes
             return call(get_backend(FIXED_CHOICE), spec, spec.batch)
         key = _key(spec, gradient, grad_output)
         known = _choices.lookup(key)
         if known is None:
-            if not tunable(grad_output, operand):
+            if not tuning.tunable(grad_output, operand):
                 return call(get_backend(FIXED_CHOICE), spec, spec.batch)
             options = {b.name: (lambda m, b=b: call(b, _sub(spec, m), m)) for b in candidates(spec, grad_output)}
             known, out = _tune(options, spec.batch, grad_output.device)
@@ -282,6 +276,6 @@ class AutoBackend(Backend):
             if out is not None and not torch.is_grad_enabled():
                 return out
         make = lambda name: lambda: call(get_backend(name), spec, spec.batch)  # noqa: E731
-        if not tunable(grad_output):
+        if not tuning.tunable(grad_output):
             return make(known.backend)()
         return _choices.run(key, known, spec.batch, grad_output.device, make)

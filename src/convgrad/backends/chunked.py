@@ -30,14 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad.backends import FusedBackend, get_backend, register
+from convgrad.backends import FusedBackend, Grads, get_backend, register
 from convgrad.spec import ConvSpec
 from convgrad.spec.chunks import CHUNK_BYTES, equal_chunk  # CHUNK_BYTES: a chunk's input and grad_output
 
 __all__ = ["CHUNK_BYTES", "ChunkPlan", "ChunkedBackend", "chunk_size", "execute", "plan"]
-
-
-Grads = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 def chunk_size(spec: ConvSpec, itemsize: int, limit: int | None = None) -> int:

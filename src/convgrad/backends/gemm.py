@@ -47,7 +47,7 @@ import itertools
 
 import torch
 
-from convgrad.backends import FusedBackend, register
+from convgrad.backends import FusedBackend, Grads, register
 from convgrad.spec import ConvSpec
 from convgrad.spec.chunks import CHUNK_BYTES, equal_chunk
 from convgrad.tensor_ops import add_product_, batched_like, crop, pad, plain, sliced, windows
@@ -56,8 +56,6 @@ __all__ = ["CHUNK_TARGET_BYTES", "DEFAULT_MAX_WORKSPACE_BYTES", "GemmBackend", "
 
 DEFAULT_MAX_WORKSPACE_BYTES = 256 * 2**20
 CHUNK_TARGET_BYTES = CHUNK_BYTES  # the speed target (module docstring)
-
-Grads = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 def chunking(spec: ConvSpec, itemsize: int, max_workspace_bytes: int) -> tuple[int, int]:

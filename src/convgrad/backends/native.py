@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from convgrad.backends import FusedBackend, register
+from convgrad.backends import FusedBackend, Grads, register
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import crop, pad, placeholder
 
@@ -72,15 +72,8 @@ class NativeBackend(FusedBackend):
     name = "native"
     supports_complex = True
 
-    def backward(
-        self,
-        spec: ConvSpec,
-        grad_output: torch.Tensor,
-        input: torch.Tensor | None,
-        weight: torch.Tensor | None,
-        need_input: bool,
-        need_weight: bool,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
+                 weight: torch.Tensor | None, need_input: bool, need_weight: bool) -> Grads:
         if grad_output.is_complex():
             # torch's convention: grad_input pairs grad_output with conj(weight), grad_weight with conj(input)
             gi = _complex_bilinear(lambda gy, w: self.input_grad(spec, w, gy), grad_output,
