@@ -22,7 +22,7 @@ from typing import Any
 WIDTH = 1280
 # The content column at 1280 px, measured here: 748 px without a scroll bar, 733 with one (Material's two
 # sidebars take 242 px each). explain's pictures, 800 px wide, are shown at this width; the legend sizes of
-# src/convgrad/explain/placement.py rely on the smaller.
+# src/convgrad/explain/canvas.py rely on the smaller.
 CONTENT_PX = 733
 # Characters of a code block's line that fit that column, measured here with the font of docs/css/extra.css
 # (101); command-line tables (box-drawing characters) must not be wider, or they wrap and fall apart.

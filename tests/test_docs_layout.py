@@ -18,7 +18,7 @@ from matplotlib.text import Text
 
 import convgrad
 from convgrad.explain import render
-from convgrad.explain.placement import DPI, WIDTH_PX
+from convgrad.explain.canvas import DPI, WIDTH_PX
 from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from PIL import Image
 import convgrad
 from convgrad import cli
 from convgrad.backends.fwdconv import steps
-from convgrad.explain import animation, placement, render
+from convgrad.explain import animation, canvas, legend, render
 from convgrad.explain.symbols import used_symbols
 
 CONFIGS = {  # name -> (input_size, weight_size, kwargs of convgrad.explain)
@@ -185,9 +185,9 @@ def test_each_block_of_a_plot_lists_only_the_kernel_cells_it_draws() -> None:
     # scene-wide legend listed one
     fig = convgrad.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2).plot()
     blocks = fig.axes[:4]
-    label = placement.LABELS["zero_tap"]
+    label = canvas.LABELS["zero_tap"]
     for ax in blocks:
-        hatched = any(isinstance(p, Rectangle) and p.get_hatch() == placement.HATCHES["zero_tap"]
+        hatched = any(isinstance(p, Rectangle) and p.get_hatch() == canvas.HATCHES["zero_tap"]
                       and p.get_width() > 20 for p in ax.patches)
         listed = any(t.get_text() == label for t in ax.texts)
         assert listed == hatched
@@ -299,9 +299,9 @@ def test_1d_captions_write_numbers_not_one_tuples() -> None:
     recipe = convgrad.explain((1, 2, 6), (2, 2, 3), padding=2, dilation=2)
     for gradient in ("forward", "grad_input", "grad_weight"):
         lay = render.layout(recipe.scene(gradient), 40)
-        assert ",)" not in placement.data_steps(lay.scene)  # spec.describe() in the caption keeps torch's (2,)
+        assert ",)" not in legend.data_steps(lay.scene)  # spec.describe() in the caption keeps torch's (2,)
         assert "shown" not in lay.note
-    steps = placement.data_steps(recipe.scene("grad_input"))
+    steps = legend.data_steps(recipe.scene("grad_input"))
     assert "pads 2 on both sides" in steps and "taps 2 apart" in steps, steps
 
 
@@ -311,15 +311,15 @@ def test_cells_no_tap_reaches_print_0_not_minus_0() -> None:
     fig = recipe.plot()
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert "-0" not in texts and "-0.0" not in texts
-    assert [placement.number(v) for v in (-0.0, -0.04, 2.0, -2.5, 1234.0)] == ["0", "0", "2", "-2.5", "1k"]
+    assert [legend.number(v) for v in (-0.0, -0.04, 2.0, -2.5, 1234.0)] == ["0", "0", "2", "-2.5", "1k"]
 
 
 def test_the_subtitle_reads_each_steps_label_not_its_describe_wording(monkeypatch: pytest.MonkeyPatch) -> None:
     # explain/layout.py used to strip describe() with a regex: rewording a sentence changed the picture
     recipe = convgrad.explain((1, 2, 7, 7), (2, 2, 3, 3), stride=2, padding=((1, 0), (0, 2)), method="zero_insert")
-    before = placement.data_steps(recipe.scene("grad_input"))
+    before = legend.data_steps(recipe.scene("grad_input"))
     assert "zero-insert by stride (2, 2)" in before and "pad (lo, hi) =" in before, before
     for kind in (steps.ZeroInsert, steps.Pad):
         monkeypatch.setattr(kind, "describe", lambda self: "reworded (stride-1 zeros, negative = crop)")
-    assert placement.data_steps(recipe.scene("grad_input")) == before
+    assert legend.data_steps(recipe.scene("grad_input")) == before
     assert "reworded" in str(recipe)  # the text view does read describe()

@@ -6,7 +6,8 @@ of a plan brings its own parts (describe, label, code, geometry), so no view kno
 - ``recipe``: ``explain(...)``, ``Recipe`` and its text (``str(recipe)``), with ``symbols``;
 - ``code``: ``Recipe.to_python()``, a standalone PyTorch script;
 - ``frames``: every cell a plan produces and the products it sums, read from each step's geometry;
-- ``placement`` and ``render``: which frames, where, drawn with matplotlib;
+- ``canvas``, ``placement``, ``legend`` and ``render``: the sizes and colours, which frames and where, their numbers,
+  legend and caption, drawn with matplotlib;
 - ``picture``: ``Recipe.plot()``; ``raster``: the frames as images, which ``animation`` (``Recipe.animate()``)
   and ``html`` (``Recipe.to_html()``) encode;
 - ``kernel_choice``: ``native_backend(...)``, which kernel ``aten.convolution_backward`` dispatches to.

@@ -1,11 +1,11 @@
 """Drawing explain's frames with matplotlib (Agg): the one renderer of Recipe.plot, Recipe.animate and to_html.
 
 Everything drawn comes from a Scene and its Frames (explain/frames.py), which are read from the plan's own
-steps, placed by explain/placement.py. A frame is drawn as three panels: the data grid (padding, inserted
-zeros, cropped and never-read cells) with the kernel's footprint on it, each read cell lettered with the
-kernel tap it meets; the kernel (flipped where the plan flips it; the taps a phase does not use greyed);
-and the result with the cell being produced. Channels, when there are several, are a strip of boxes
-coloured by group.
+steps, placed by explain/placement.py on explain/canvas.py's sizes and colours, with explain/legend.py's
+numbers, legend and caption. A frame is drawn as three panels: the data grid (padding, inserted zeros, cropped
+and never-read cells) with the kernel's footprint on it, each read cell lettered with the kernel tap it meets;
+the kernel (flipped where the plan flips it; the taps a phase does not use greyed); and the result with the cell
+being produced. Channels, when there are several, are a strip of boxes coloured by group.
 
 Sizes are pixels: figures are 800 px wide at 100 dpi, text is at least 9 px tall and cells at least 20 px
 (tests/test_explain_render.py measures them). Colours are tints of Okabe and Ito's colour-blind-safe
@@ -21,8 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from convgrad.explain.frames import Frame
-from convgrad.explain.placement import (
+from convgrad.explain.canvas import (
     CURRENT,
     DPI,
     FILLS,
@@ -40,23 +39,24 @@ from convgrad.explain.placement import (
     WIDTH_PX,
     Layout,
     Panel,
-    caption,
     cell_kind,
+)
+from convgrad.explain.frames import Frame
+from convgrad.explain.legend import (
+    caption,
     data_steps,
-    frames_needed,
     kernel_cells,
-    layout,
     legend_rows,
     never_read,
     number,
     phase_number,
     reached,
     result_cells,
-    result_index,
     tap_letters,
     title,
     values,
 )
+from convgrad.explain.placement import frames_needed, layout, result_index
 
 __all__ = ["DPI", "FILLS", "GROUP_COLOURS", "OKABE_ITO", "PHASES", "WIDTH_PX", "Layout", "background", "caption",
            "draw", "figure", "frame_artists", "frames_needed", "layout", "legend_rows", "result_value", "values"]
