@@ -12,10 +12,8 @@ import dataclasses
 from typing import Any
 
 from convgrad.backends.fwdconv.plan import commas
-from convgrad.spec import ConvSpec
+from convgrad.spec import ConvSpec, Shape
 from convgrad.tensor_ops import pad_flat
-
-Shape = tuple[int, ...]
 
 
 def _code(step: Any, *args: Any) -> list[str]:

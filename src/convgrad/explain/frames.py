@@ -24,12 +24,11 @@ from typing import Any
 from convgrad.backends import fwdconv
 from convgrad.backends.fwdconv.geometry import Axis, Cell, Family, Out, operand, union_axis
 from convgrad.errors import ConvgradValueError
-from convgrad.spec import ConvSpec
+from convgrad.spec import ConvSpec, Shape
 
 __all__ = ["GRADIENTS", "Frame", "Scene", "SceneOf", "plan_of", "scene"]
 
 GRADIENTS = ("forward", "grad_input", "grad_weight")
-Shape = tuple[int, ...]
 Index = tuple[int, ...]
 
 

@@ -25,7 +25,7 @@ from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
 from convgrad.errors import ConvgradValueError, MethodRefused
 from convgrad.explain.kernel_choice import NativeChoice, native_backend
 from convgrad.explain.symbols import used_symbols
-from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
+from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, Shape
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Leftover", "NativeChoice", "Recipe", "RecipeStep", "explain", "native_backend"]
 
-Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)

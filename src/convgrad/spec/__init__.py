@@ -30,6 +30,7 @@ from __future__ import annotations
 from convgrad.spec.arguments import IntOrTuple as IntOrTuple
 from convgrad.spec.arguments import PaddingArg as PaddingArg
 from convgrad.spec.arguments import Pair as Pair
+from convgrad.spec.arguments import Shape as Shape
 from convgrad.spec.arguments import check_bias_sizes, check_output_mask, same_padding
 from convgrad.spec.arguments import ntuple as ntuple
 from convgrad.spec.formulation import FftDim, PhaseTaps, smooth_size, tap_rows

@@ -12,10 +12,11 @@ from typing import Any
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 
 Pair = tuple[int, int]
+Shape = tuple[int, ...]  # a tensor's sizes, or one size per spatial dim
 PaddingArg = int | str | Sequence[Any]
 IntOrTuple = int | Sequence[int]
 
-__all__ = ["MAX_SPECS", "SPECS", "IntOrTuple", "Normalised", "PaddingArg", "Pair", "check_bias_sizes",
+__all__ = ["MAX_SPECS", "SPECS", "IntOrTuple", "Normalised", "PaddingArg", "Pair", "Shape", "check_bias_sizes",
            "check_channels", "check_extents", "check_output_mask", "check_output_padding", "exact", "is_int",
            "memo_key", "normalise", "ntuple", "padding_pairs", "remember", "same_padding", "shape_tuple"]
 

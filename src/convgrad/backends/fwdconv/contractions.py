@@ -21,11 +21,9 @@ import torch
 from convgrad.backends.fwdconv import geometry as geo
 from convgrad.backends.fwdconv.plan import Contraction, commas, pad_code, slices
 from convgrad.backends.fwdconv.steps import new_like
-from convgrad.spec import Pair
+from convgrad.spec import Pair, Shape
 from convgrad.spec.chunks import PHASE_CHUNK_BYTES
 from convgrad.tensor_ops import CONV, add_product_, channels_innermost, pad, plain, sliced
-
-Shape = tuple[int, ...]
 
 __all__ = ["CHUNK_BYTES", "Conv", "DepthwiseTaps", "MatMul", "Phase", "PhaseConvs", "TakeTaps", "phase_rows"]
 

@@ -34,10 +34,8 @@ from convgrad.backends.fwdconv.contractions import (
 from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, slices
 from convgrad.backends.fwdconv.steps import Flip, Pad, Subsample, SwapGroupChannels, ZeroInsert, new_like, pad_or_fold
 from convgrad.errors import ConvgradValueError, MethodRefused
-from convgrad.spec import ConvSpec, Pair, PhaseTaps, output_rows, pad_split, padded_sizes, tap_rows
+from convgrad.spec import ConvSpec, Pair, PhaseTaps, Shape, output_rows, pad_split, padded_sizes, tap_rows
 from convgrad.tensor_ops import pad, pad_flat, sliced
-
-Shape = tuple[int, ...]
 
 __all__ = ["CHUNK_MAX_CHANNELS", "INPUT_METHODS", "SUBPIXEL_MAX_CHANNELS", "TAPS_MAX_PHASE_TAPS", "DepthToSpace",
            "SubpixelKernel", "input_method", "plan_forward", "plan_input_grad"]

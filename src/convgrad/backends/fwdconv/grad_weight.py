@@ -35,10 +35,8 @@ from convgrad.backends.fwdconv.steps import (
     pad_or_fold,
 )
 from convgrad.errors import ConvgradValueError, MethodRefused
-from convgrad.spec import ConvSpec, Pair, output_rows, pad_split, padded_sizes
+from convgrad.spec import ConvSpec, Pair, Shape, output_rows, pad_split, padded_sizes
 from convgrad.tensor_ops import ONEDNN_DTYPES, batched_like, channels_innermost, sliced
-
-Shape = tuple[int, ...]
 
 __all__ = ["BUILDERS", "ONEDNN_DTYPES", "PER_SAMPLE_MAX_BATCH", "PER_SAMPLE_MAX_CHANNELS", "TAPS_MAX_ELEMENTS",
            "WEIGHT_METHODS", "PhasesToKernel", "StrideToDepth", "im2col_weight_method", "plan_per_sample_weight_grad",

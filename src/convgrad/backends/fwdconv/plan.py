@@ -18,12 +18,11 @@ from typing import Protocol
 import torch
 
 from convgrad.backends.fwdconv import geometry as geo
-from convgrad.spec import ConvSpec, Pair, pad_then_crop
+from convgrad.spec import ConvSpec, Pair, Shape, pad_then_crop
 from convgrad.tensor_ops import pad_flat
 
 __all__ = ["Contraction", "Plan", "Spatially", "Step", "commas", "execute", "pad_code", "slices"]
 
-Shape = tuple[int, ...]
 
 
 class Step(Protocol):

@@ -21,10 +21,8 @@ import torch
 
 from convgrad.backends.fwdconv import geometry as geo
 from convgrad.backends.fwdconv.plan import Spatially, Step, commas, pad_code
-from convgrad.spec import Pair
+from convgrad.spec import Pair, Shape
 from convgrad.tensor_ops import batched_like, channels_innermost, pad, pad_flat, windows
-
-Shape = tuple[int, ...]
 
 __all__ = ["BatchFold", "Flip", "FoldTaps", "Pad", "SamplesIntoChannels", "SpaceToDepth", "Subsample", "SumSamples",
            "SwapBatchChannels", "SwapGroupChannels", "TapsToKernel", "ZeroInsert", "new_like",
