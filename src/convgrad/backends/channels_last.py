@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad.backends import FusedBackend, get_backend, register
+from convgrad.backends import FusedBackend, Grads, get_backend, register
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import CHANNELS_LAST, ONEDNN_DTYPES, is_channels_last, plain
 
@@ -61,7 +61,7 @@ class NativeBackward:
     spec: ConvSpec  # the convolution it runs (2d for a 1d conv)
 
     def __call__(self, grad_output: torch.Tensor, input: torch.Tensor | None, weight: torch.Tensor | None,
-                 need_input: bool, need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 need_input: bool, need_weight: bool) -> Grads:
         return get_backend("native").backward(self.spec, grad_output, input, weight, need_input, need_weight)
 
     def describe(self) -> str:
@@ -120,7 +120,7 @@ def plan(spec: ConvSpec) -> LayoutPlan:
 
 
 def execute(p: LayoutPlan, grad_output: torch.Tensor, input: torch.Tensor | None, weight: torch.Tensor | None,
-            need_input: bool, need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            need_input: bool, need_weight: bool) -> Grads:
     """Run a plan: both gradients (None where not needed), in torch's layout for these operands.
 
     Under functorch transforms (vmap, grad, ...) and while torch.compile traces, operands are not plain
@@ -166,6 +166,5 @@ class ChannelsLastBackend(FusedBackend):
                 and not is_channels_last(like))
 
     def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
-                 weight: torch.Tensor | None, need_input: bool, need_weight: bool
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 weight: torch.Tensor | None, need_input: bool, need_weight: bool) -> Grads:
         return execute(plan(spec), grad_output, input, weight, need_input, need_weight)

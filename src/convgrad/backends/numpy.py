@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from convgrad import numpy as cgn
-from convgrad.backends import FusedBackend, register, traceable_names
+from convgrad.backends import FusedBackend, Grads, register, traceable_names
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
 
@@ -47,8 +47,7 @@ class NumpyBackend(FusedBackend):
         return t.detach().resolve_conj().resolve_neg().numpy()
 
     def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
-                 weight: torch.Tensor | None, need_input: bool, need_weight: bool
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 weight: torch.Tensor | None, need_input: bool, need_weight: bool) -> Grads:
         gy = self._array(spec, "grad_output", grad_output)
         x = self._array(spec, "input", input if need_weight else None)
         w = self._array(spec, "weight", weight if need_input else None)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad.backends import FusedBackend, get_backend, register
+from convgrad.backends import FusedBackend, Grads, get_backend, register
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import ONEDNN_DTYPES
 
@@ -90,7 +90,7 @@ class MergedBackward:
     spec: ConvSpec  # the merged convolution
 
     def __call__(self, grad_output: torch.Tensor, input: torch.Tensor | None, weight: torch.Tensor | None,
-                 need_input: bool, need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 need_input: bool, need_weight: bool) -> Grads:
         return get_backend("native").backward(self.spec, grad_output, input, weight, need_input, need_weight)
 
     def describe(self) -> str:
@@ -129,7 +129,7 @@ zeros elsewhere
 
 
 def execute(p: RegroupPlan, grad_output: torch.Tensor, input: torch.Tensor | None, weight: torch.Tensor | None,
-            need_input: bool, need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            need_input: bool, need_weight: bool) -> Grads:
     """Run a plan: both gradients (None where not needed)."""
     merged = p.weight(weight) if need_input and weight is not None else None
     gi, gw = p.run(grad_output, input, merged, need_input, need_weight)
@@ -149,6 +149,5 @@ class RegroupBackend(FusedBackend):
         return like.device.type == "cpu" and like.dtype in ONEDNN_DTYPES and merge_factor(spec) > 1
 
     def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
-                 weight: torch.Tensor | None, need_input: bool, need_weight: bool
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 weight: torch.Tensor | None, need_input: bool, need_weight: bool) -> Grads:
         return execute(plan(spec), grad_output, input, weight, need_input, need_weight)
