@@ -15,6 +15,9 @@ Profiles (hypothesis settings profiles, registered in tests/conftest.py, chosen 
 * ``convgrad-thorough``: 10,000 examples, random seed. Run it with
   ``pytest -m slow tests/test_fuzz.py -k thorough --hypothesis-show-statistics``, or make the
   default test use it: ``CONVGRAD_FUZZ_PROFILE=thorough pytest tests/test_fuzz.py``.
+
+``CONVGRAD_FUZZ_LOG=file`` appends each example and each backend to that file before it runs, so that a crash
+(a segfault kills the process before hypothesis can report) leaves the example that caused it on the last lines.
 """
 
 from __future__ import annotations
@@ -200,9 +203,18 @@ def _events(ex: Example) -> None:
             event(label)
 
 
+def _log(line: str) -> None:
+    """Append a line to the file CONVGRAD_FUZZ_LOG names, flushed at once: a crash (segfault) keeps the last one."""
+    path = os.environ.get("CONVGRAD_FUZZ_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 def check_example(ex: Example, device: torch.device) -> None:
     """Every backend and every public gradient function agree with torch autograd on this example."""
     _events(ex)
+    _log(repr(ex))
     case = ex.case
     t64 = make_tensors(case, torch.float64, device, seed=ex.seed)
     ref = {k: v.to(ex.dtype) for k, v in reference_grads(case, t64).items()}  # float64 truth, rounded once
@@ -211,6 +223,7 @@ def check_example(ex: Example, device: torch.device) -> None:
     for name, layout in zip(("input", "weight", "grad_output"), ex.layouts):
         t[name] = relayout(t[name], layout)
     for backend in (b for b in BACKENDS if _runs_on(b, t["input"].device)):
+        _log(f"  backend {backend}")
         _check_backend(ex, t, ref, backend, forward)
     if not case.transposed:  # torch.nn.grad's names (backend "auto")
         n, kw = case.spec().n, _kwargs(case)
@@ -231,11 +244,17 @@ NUMPY_PAD_THEN_CROP = Example(Case((1, 1, 1, 1), (1, 1, 1, 1, 1), (1, 1, 3), ((0
 NEEDS_TO_BE_CONTIGUOUS = Example(Case((2, 1, 2), (1, 2, 2), (1,), "valid", (1,), 1, True, (0,)), torch.float64,
                                  ("channels_last", "channels_last", "contiguous"), (False, False, False), False, 0)
 
+# found by the thorough profile: the channels_last backend's grad_weight of an unbatched 1d grouped conv with
+# reversed-stride input and weight
+CHANNELS_LAST_1D_GROUPED = Example(Case((4, 2), (2, 2, 1), (1,), 0, (1,), 2, False, (0,)), torch.float64,
+                                   ("channels_last", "channels_last", "contiguous"), (False, False, False), False, 0)
+
 
 @given(ex=examples())  # the loaded profile (tests/conftest.py) sets the examples
 @example(ex=PAD_THEN_CROP)
 @example(ex=NUMPY_PAD_THEN_CROP)
 @example(ex=NEEDS_TO_BE_CONTIGUOUS)
+@example(ex=CHANNELS_LAST_1D_GROUPED)
 def test_every_gradient_function_and_backend_matches_autograd(ex: Example, device: torch.device) -> None:
     check_example(ex, device)
 

@@ -48,7 +48,13 @@ class ToChannelsLast:
     """Copy an operand into channels-last memory (no copy when it is already)."""
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous(memory_format=CHANNELS_LAST[t.dim()])
+        fmt = CHANNELS_LAST[t.dim()]
+        out = t.contiguous(memory_format=fmt)
+        # torch counts a tensor as channels-last whatever the strides of its size-1 dims, and its float64 CPU
+        # backward then computes a wrong grad_weight for some (input (1, 4, 1, 2) with strides (4, 1, 8, 4),
+        # groups=2; torch 2.13): a copy with the format's own strides
+        return out if out.stride() == torch.empty_like(out, memory_format=fmt, device="meta").stride() \
+            else out.clone(memory_format=fmt)
 
     def describe(self) -> str:
         return "copy input, weight and grad_output into channels-last memory (NHWC / NDHWC)"
