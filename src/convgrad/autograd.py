@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,10 @@ from typing import Any
 import torch
 
 from convgrad.backends import Backend, get_backend, traceable_names
+from convgrad.backends.auto import changes as auto_changes
+from convgrad.backends.auto import fixed as auto_fixed
 from convgrad.backends.auto import forward as auto_forward
+from convgrad.backends.auto import settled_native as auto_settled_native
 from convgrad.backends.native import forward as native_forward
 from convgrad.checks import check_tensor, check_tensors, check_untraced
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
@@ -282,16 +286,110 @@ _NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM = (
     "torch.autograd.grad inside torch.compile honour it), or run the transform eagerly")
 
 
+def _native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> bool:
+    """Whether ConvFunction would compute nothing but torch's own convolution here: its forward and every gradient
+    native (backend="native"; "auto" when fixed, or settled on native for this call), on operands torch's own
+    autograd handles the same way. Then torch's convolution runs with its own autograd node (``_torch_conv``): the
+    same kernels, values and layouts, without a Python Function's cost per call (a bare one costs about half a
+    plain convolution's forward and backward on small layers).
+
+    Through the Function stay: other backends; complex (aten has no complex kernels); per-side padding; layouts
+    other than contiguous (native retries torch's "must be contiguous" refusals on copies); grad_weight skipped
+    by ``no_weight_gradients`` in the forward's scope (a node hook honours a backward in the scope); torch.jit's
+    tracer (a trace records the Function, so that no_weight_gradients still acts on the traced graph).
+    """
+    if backend == "native":
+        pass
+    elif backend != "auto":
+        return False
+    if (_weight_gradients_disabled or input.is_complex() or not spec.is_symmetric or not input.is_contiguous()
+            or not weight.is_contiguous() or torch.jit.is_tracing()):
+        return False
+    if backend == "native" or auto_fixed():
+        return True
+    grad = torch.is_grad_enabled()
+    return auto_settled_native(spec, input, weight, grad and input.requires_grad, grad and weight.requires_grad)
+
+
+def _drop_weight_gradient(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Post-hook of a ``_torch_conv`` node: a backward inside ``no_weight_gradients`` gives the weight nothing."""
+    if not _weight_gradients_disabled:
+        return None
+    return (grad_inputs[0], None, *grad_inputs[2:])
+
+
+def _torch_conv(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                args: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """torch's convolution with its own autograd node (see ``_native_throughout``); ``args``: spec.aten_args."""
+    batched = input.unsqueeze(0) if spec.unbatched else input  # (N, C_in, *i)
+    out = torch.convolution(batched, weight, bias, *(spec.aten_args if args is None else args))  # (N, C_out, *o)
+    if weight.requires_grad and out.grad_fn is not None:
+        out.grad_fn.register_hook(_drop_weight_gradient)
+    return out.squeeze(0) if spec.unbatched else out  # (C_out, *o) unbatched
+
+
+_PARAMETER_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class CallMemo:
+    """What one call site (a convgrad module) validated on its last call that took torch's own convolution: the
+    next call with the same operands' shapes, dtypes and devices, the same hyperparameter objects and backend, and
+    an unchanged state of auto's choices, runs torch's convolution without validating again."""
+
+    __slots__ = ("args", "auto", "hyper", "key", "spec")
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:  # a copy or an unpickled module validates afresh
+        return CallMemo, ()
+
+
+def _memo_key(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """The operands' shapes, dtypes and devices; None where the memo must not serve (subclasses: ExpandedWeight,
+    fake and traced tensors; layouts other than contiguous)."""
+    if (type(input) is not torch.Tensor or type(weight) not in _PARAMETER_TYPES
+            or (bias is not None and type(bias) not in _PARAMETER_TYPES)
+            or not input.is_contiguous() or not weight.is_contiguous()):
+        return None
+    return (input.shape, input.dtype, input.device, weight.shape, weight.dtype, weight.device,
+            None if bias is None else (bias.shape, bias.dtype, bias.device))
+
+
+def _auto_state(backend: str) -> tuple[Any, ...] | None:
+    """What a memoised answer of ``settled_native`` depends on, beyond the call: None where it does not apply."""
+    if backend != "auto" or auto_fixed():
+        return None
+    return auto_changes(), torch.get_num_threads()
+
+
+def _memoised(memo: CallMemo, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              hyper: tuple[Any, ...], backend: str) -> torch.Tensor | None:
+    """torch's convolution when the memo serves this call, else None."""
+    if (memo.key is None or _weight_gradients_disabled or torch._C._is_any_autocast_enabled()
+            or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+        return None
+    if (not all(map(operator.is_, memo.hyper, hyper)) or _memo_key(input, weight, bias) != memo.key
+            or (backend == "auto" and _auto_state(backend) != memo.auto)):
+        return None
+    return _torch_conv(memo.spec, input, weight, bias, memo.args)
+
+
 def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
-           backend: str) -> torch.Tensor:
+           backend: str, memo: CallMemo | None = None) -> torch.Tensor:
     b = get_backend(backend, fn)
-    weight, bias, expanded = _unexpand(fn, input, weight, bias)
+    if type(weight) in _PARAMETER_TYPES and (bias is None or type(bias) in _PARAMETER_TYPES):
+        expanded = None  # neither is an ExpandedWeight (a subclass)
+    else:
+        weight, bias, expanded = _unexpand(fn, input, weight, bias)
     tensors = {"input": input, "weight": weight} | ({} if bias is None else {"bias": bias})
     for name, t in tensors.items():  # before autocast: an error names the dtype the user passed
         b.check_operand(fn, name, check_tensor(fn, name, t))
-    tensors = _autocast(fn, b, tensors)  # then the rest: autocast mixes float32 and bfloat16 operands
-    input, weight, bias = tensors["input"], tensors["weight"], tensors.get("bias")
+    if torch._C._is_any_autocast_enabled():
+        tensors = _autocast(fn, b, tensors)  # then the rest: autocast mixes float32 and bfloat16 operands
+        input, weight, bias = tensors["input"], tensors["weight"], tensors.get("bias")
     check_tensors(fn, b, results_in_graph=True, **tensors)
     compiling = torch.compiler.is_compiling()
     transformed = compiling and torch._C._are_functorch_transforms_active()
@@ -310,6 +408,13 @@ def _apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return native_forward(spec, input, weight, bias)
     if expanded is not None:
         return _ExpandedConvFunction.apply(input, weight, bias, spec, backend, expanded)  # (N, C_out, *o)
+    if not compiling and _native_throughout(spec, backend, input, weight, bias):
+        args = spec.aten_args
+        if memo is not None and not torch._C._is_any_autocast_enabled():
+            memo.key = _memo_key(input, weight, bias)
+            memo.hyper = (stride, padding, dilation, transposed, output_padding, groups, backend)
+            memo.auto, memo.spec, memo.args = _auto_state(backend), spec, args
+        return _torch_conv(spec, input, weight, bias, args)
     function = _ConvCore if compiling else ConvFunction
     if spec.unbatched:
         return function.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)

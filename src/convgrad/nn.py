@@ -23,7 +23,7 @@ import torch
 import torch.nn.utils.parametrize as parametrize
 from torch import Tensor
 
-from convgrad.autograd import SCRIPT_UNSUPPORTED, _apply, shape_of
+from convgrad.autograd import SCRIPT_UNSUPPORTED, CallMemo, _apply, _memoised, shape_of
 from convgrad.backends import get_backend
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
@@ -80,6 +80,12 @@ class _ConvgradMixin:
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Forward conv through convgrad; non-zero padding modes pad explicitly by the spec's (lo, hi) pairs."""
+        memo = self.__dict__.get("_convgrad_memo")
+        if memo is not None and self.padding_mode == "zeros":  # the last call's validation serves this one
+            hyper = (self.stride, self.padding, self.dilation, False, 0, self.groups, self.backend)
+            out = _memoised(memo, input, weight, bias, hyper, self.backend)
+            if out is not None:
+                return out
         name, padding = self._name(), self.padding
         if self.padding_mode != "zeros":
             # the pads of 'same' depend on the input size, so they come from the spec at call time
@@ -87,16 +93,18 @@ class _ConvgradMixin:
                                         groups=self.groups, fn=name)
             input = pad(input, spec.padding, mode=self.padding_mode)  # (N, C_in, *(i + p_lo + p_hi))
             padding = 0
+        if memo is None:
+            memo = self.__dict__["_convgrad_memo"] = CallMemo()
         return _apply(name, input, weight, bias, self.stride, padding, self.dilation, False, 0, self.groups,
-                      self.backend)
+                      self.backend, memo if self.padding_mode == "zeros" else None)
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         """torch's forward; ``output_size`` (transposed convs only) picks output_padding as torch does."""
-        name = self._name()
         if not self.transposed:
             if output_size is not None:
-                raise ConvgradTypeError(f"{name}.forward: output_size is only for transposed convolutions")
+                raise ConvgradTypeError(f"{self._name()}.forward: output_size is only for transposed convolutions")
             return super().forward(input)  # type: ignore[misc]  # torch's forward calls _conv_forward above
+        name = self._name()
         if self.padding_mode != "zeros":
             raise ConvgradValueError(f"{name}: padding_mode={self.padding_mode!r}; a transposed convolution "
                                      f"supports only 'zeros' (as in torch)")

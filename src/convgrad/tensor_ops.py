@@ -100,9 +100,16 @@ def plain(t: torch.Tensor) -> bool:
     torch.compile traces: dynamo cannot trace the functorch queries below."""
     if torch.compiler.is_compiling() or type(t) not in (torch.Tensor, torch.nn.Parameter):
         return False
-    checks = [getattr(torch._C._functorch, name, None)  # private: when one is missing, assume wrapped
-              for name in ("is_functorch_wrapped_tensor", "is_legacy_batchedtensor")]
-    return all(c is not None and not c(t) for c in checks) and forward_ad.unpack_dual(t).tangent is None
+    for check in _FUNCTORCH_CHECKS:
+        if check is None or check(t):
+            return False
+    # no dual level entered (forward_ad's own test in unpack_dual): no tangent, without building the namedtuple
+    return forward_ad._current_level < 0 or forward_ad.unpack_dual(t).tangent is None
+
+
+# private to torch: when one is missing, every tensor counts as wrapped
+_FUNCTORCH_CHECKS = tuple(getattr(torch._C._functorch, name, None)
+                          for name in ("is_functorch_wrapped_tensor", "is_legacy_batchedtensor"))
 
 
 def batched_like(buffer: torch.Tensor, kernel: torch.Tensor | None) -> torch.Tensor:

@@ -71,7 +71,8 @@ from convgrad.tuning import (  # auto's documented names, kept from before tunin
 from convgrad.tuning import tune as _tune  # a module name, so that tests can count the tunings
 
 __all__ = ["FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path", "candidates",
-           "chosen", "clear", "device_name", "get_mode", "set_mode", "tuning_mode"]
+           "changes", "chosen", "clear", "device_name", "fixed", "get_mode", "set_mode", "settled_native",
+           "tuning_mode"]
 
 FIXED_CHOICE = "native"
 
@@ -181,6 +182,63 @@ def _both_call(name: str, parts: tuple[str, ...], spec: ConvSpec, grad_output: t
     return lambda: backend.backward(spec, grad_output, input, weight, True, True)
 
 
+def changes() -> int:
+    """A count that moves whenever a choice of "auto" changes (what was memoised from them is stale then)."""
+    return _choices.changes
+
+
+def _forward_candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
+    """The candidates with a forward of their own (fft) that may differ from native here."""
+    return [b for b in candidates(spec, like) if b.name != "native" and hasattr(b, "forward")]
+
+
+# settled_native's positive answers: (id(spec), dtype, device, need_input, need_weight, threads) -> spec, valid while
+# _choices.changes is _settled_at (the spec is kept to check that the id is still its own)
+_settled: dict[tuple[object, ...], ConvSpec] = {}
+_settled_at = -1
+
+
+def settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, need_input: bool,
+                   need_weight: bool) -> bool:
+    """Whether tuning has settled on native for this convolution's forward and for the gradients a call needs
+    (``need_input``, ``need_weight``; looked up for a grad_output laid out as ``input``), so that torch's own
+    convolution computes the same; False while anything is still to tune or compare, or for tensors that cannot
+    be tuned (a call through the backend tunes and settles them). Memoised per spec object until a choice
+    changes: it is asked on every call of every layer."""
+    global _settled_at
+    memo = (id(spec), input.dtype, input.device, need_input, need_weight,
+            torch.get_num_threads() if input.device.type == "cpu" else 0)
+    if _settled_at == _choices.changes:
+        if _settled.get(memo) is spec:
+            return True
+    else:
+        _settled.clear()
+        _settled_at = _choices.changes
+    if not _settled_native(spec, input, weight, need_input, need_weight):
+        return False
+    if len(_settled) >= 4096:
+        _settled.clear()
+    _settled[memo] = spec
+    return True
+
+
+def _settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, need_input: bool,
+                    need_weight: bool) -> bool:
+    """settled_native without its memo."""
+    if not tunable(input, weight):
+        return False
+    like = _key(spec, "", input)
+    gradient = "both" if need_input and need_weight else "grad_input" if need_input else "grad_weight"
+    for name in (gradient,) if need_input or need_weight else ():
+        choice = _choices.lookup((like[0], name, *like[2:]))
+        if choice is None or choice.pending or choice.backend != "native":
+            return False
+    choice = _choices.lookup((like[0], "forward", *like[2:]))
+    if choice is not None:
+        return not choice.pending and choice.backend == "native"
+    return not _forward_candidates(spec, input)
+
+
 def _forward_of(backend: Backend, spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
     """A backend's forward of the first m samples (no bias)."""
     return backend.forward(_sub(spec, m), _head(input, m), weight)  # type: ignore[attr-defined, no-any-return]
@@ -198,7 +256,7 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     key = _key(spec, "forward", input)
     known = _choices.lookup(key)
     if known is None:
-        cands = [b for b in candidates(spec, input) if b.name != "native" and hasattr(b, "forward")]
+        cands = _forward_candidates(spec, input)
         if not cands:
             return native_forward(spec, input, weight, bias)
         options: dict[str, Callable[[int], torch.Tensor]] = {

@@ -120,7 +120,24 @@ class Store(dict[Hashable, Choice]):
         self.slow: dict[Hashable, int] = {}  # calls in a row that ran DRIFT times slower than tuned
         self.retunes: dict[Hashable, int] = {}
         self.exploring: dict[Hashable, Exploration] = {}
+        self.changes = 0  # bumped by every change of a choice: what a caller memoised from the store is stale
         _STORES.append(self)
+
+    def __setitem__(self, key: Hashable, choice: Choice) -> None:
+        self.changes += 1
+        super().__setitem__(key, choice)
+
+    def __delitem__(self, key: Hashable) -> None:
+        self.changes += 1
+        super().__delitem__(key)
+
+    def pop(self, key: Hashable, *default: Any) -> Any:
+        self.changes += 1
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        self.changes += 1
+        super().clear()
 
     def lookup(self, key: Hashable) -> Choice | None:
         """The choice in memory, else in the cache file (a malformed or unusable entry counts as none)."""

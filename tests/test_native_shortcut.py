@@ -1,0 +1,247 @@
+"""The native shortcut: where ConvFunction would compute nothing but torch's own convolution (backend="native", or
+"auto" fixed or settled on native), convgrad calls torch's convolution with its own autograd node, bitwise the same;
+every other case still goes through convgrad's Function; a module's last validation serves its next call."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import convgrad as cg
+from convgrad import autograd
+from convgrad.backends import auto
+from convgrad.spec import ConvSpec
+
+F64 = torch.float64
+TORCH_NODE, OUR_NODE = "ConvolutionBackward0", "ConvFunctionBackward"
+
+# (input shape, weight shape, kwargs, transposed): 1d/2d/3d, a stride that leaves rows unread, 1 < groups < C_in,
+# dilation with stride, even kernels, transposed with output_padding, unbatched, batch 0 and 1
+CASES = [
+    ((2, 4, 7), (6, 2, 2), dict(stride=2, groups=2), False),
+    ((1, 4, 7, 6), (6, 2, 2, 3), dict(stride=(2, 3), dilation=(2, 1), padding=1, groups=2), False),
+    ((5, 6, 6), (4, 5, 3, 3), dict(padding=1), False),
+    ((0, 2, 5, 5), (3, 2, 3, 3), dict(stride=2), False),
+    ((1, 2, 3, 4, 3), (2, 1, 2, 2, 2), dict(groups=2, stride=2, padding=1, dilation=(1, 2, 1)), False),
+    ((2, 4, 3, 3), (4, 3, 3, 2), dict(stride=2, padding=1, output_padding=1, groups=2), True),
+    ((1, 2, 3), (2, 3, 3), dict(stride=3, dilation=2, output_padding=2), True),
+]
+
+
+def _nodes(t: torch.Tensor) -> set[str]:
+    """Names of every autograd node behind t."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo += [nxt for nxt, _ in node.next_functions]
+    return {type(node).__name__ for node in seen}
+
+
+def _operands(xs: tuple[int, ...], ws: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(xs, generator=g, dtype=F64), torch.randn(ws, generator=g, dtype=F64)
+
+
+def _run(call: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor,
+         b: torch.Tensor | None) -> tuple[torch.Tensor, set[str], list[torch.Tensor | None]]:
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())]
+    y = call(*leaves)
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    y.backward(gy)
+    return y.detach(), _nodes(y), [t.grad for t in leaves]
+
+
+def _torch_call(ws: tuple[int, ...], transposed: bool, kw: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    n = len(ws) - 2
+    fn = getattr(F, f"conv_transpose{n}d" if transposed else f"conv{n}d")
+    return lambda x, w, b=None: fn(x, w, b, **kw)
+
+
+def _cg_call(ws: tuple[int, ...], transposed: bool, kw: dict[str, Any], backend: str) -> Callable[..., torch.Tensor]:
+    n = len(ws) - 2
+    fn = getattr(cg, f"conv_transpose{n}d" if transposed else f"conv{n}d")
+    return lambda x, w, b=None: fn(x, w, b, **kw, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["native", "auto"])
+@pytest.mark.parametrize("xs,ws,kw,transposed", CASES, ids=str)
+def test_shortcut_is_torch_s_convolution_bitwise(monkeypatch: pytest.MonkeyPatch, backend: str, xs: tuple,
+                                                 ws: tuple, kw: dict, transposed: bool) -> None:
+    """Same output and gradients, bit for bit, as torch's F.conv*d and as convgrad's Function on the native path."""
+    x, w = _operands(xs, ws)
+    b = torch.randn(ws[1] * kw.get("groups", 1) if transposed else ws[0], dtype=F64)
+    ours = _run(_cg_call(ws, transposed, kw, backend), x, w, b)
+    assert TORCH_NODE in ours[1] and OUR_NODE not in ours[1]
+    want = _run(_torch_call(ws, transposed, kw), x, w, b)
+    monkeypatch.setattr(autograd, "_native_throughout", lambda *a: False)  # the Function, native inside
+    function = _run(_cg_call(ws, transposed, kw, backend), x, w, b)
+    assert OUR_NODE in function[1]
+    for other in (want, function):
+        assert torch.equal(ours[0], other[0])
+        for got, expected in zip(ours[2], other[2], strict=True):
+            assert got is not None and torch.equal(got, expected)
+
+
+def test_unbatched_input_takes_the_shortcut() -> None:
+    x, w = torch.randn(3, 6, 6, dtype=F64), torch.randn(4, 3, 3, 3, dtype=F64)
+    ours = _run(lambda a, b: cg.conv2d(a, b, stride=2, backend="native"), x, w, None)
+    want = _run(lambda a, b: F.conv2d(a, b, stride=2), x, w, None)
+    assert TORCH_NODE in ours[1] and OUR_NODE not in ours[1] and ours[0].shape == (4, 2, 2)
+    assert torch.equal(ours[0], want[0]) and all(map(torch.equal, ours[2], want[2]))
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+# Cases that must go through convgrad's Function, each with the reason: (id, input, weight, kwargs, backend)
+_X, _W = torch.randn(2, 4, 6, 6, dtype=F64), torch.randn(4, 4, 3, 3, dtype=F64)
+EXCLUDED = [
+    ("another backend", _X, _W, {}, "fwdconv"),
+    ("complex", _X.to(torch.complex128), _W.to(torch.complex128), {}, "native"),
+    ("per-side padding", _X, _W, dict(padding=((1, 0), (0, 2))), "native"),
+    ("'same' with an odd total", _X, torch.randn(4, 4, 2, 2, dtype=F64), dict(padding="same"), "auto"),
+    ("channels_last input", _channels_last(_X), _W, {}, "native"),
+    ("channels_last weight", _X, _channels_last(_W), {}, "auto"),
+    ("non-contiguous input", _X.transpose(2, 3), _W, {}, "native"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's, in the reference
+@pytest.mark.parametrize("what,x,w,kw,backend", EXCLUDED, ids=[c[0] for c in EXCLUDED])
+def test_excluded_cases_go_through_convgrad(what: str, x: torch.Tensor, w: torch.Tensor, kw: dict,
+                                            backend: str) -> None:
+    """Mutant: _native_throughout answering True for every native/auto call fails each of these."""
+    leaves = [x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()]
+    y = cg.conv2d(*leaves, **kw, backend=backend)
+    assert OUR_NODE in _nodes(y), what
+    if not x.is_complex():  # the Function's gradients are torch's
+        pad = kw.get("padding", 0)
+        ref_x = F.pad(leaves[0], (0, 2, 1, 0)) if isinstance(pad, tuple) else leaves[0]
+        ref = F.conv2d(ref_x, leaves[1], padding=0 if isinstance(pad, tuple) else pad)
+        torch.testing.assert_close(y, ref)
+
+
+def test_forward_inside_no_weight_gradients_goes_through_convgrad() -> None:
+    x, w = _X.clone().requires_grad_(), _W.clone().requires_grad_()
+    with cg.no_weight_gradients():
+        y = cg.conv2d(x, w, backend="native")
+        assert OUR_NODE in _nodes(y)
+        y.sum().backward()
+    assert w.grad is None and x.grad is not None
+
+
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_no_weight_gradients_acts_on_a_shortcut_graph_built_outside(backend: str) -> None:
+    """The forward outside the scope, the backward inside (StyleGAN's R1 step): the weight gets nothing, as through
+    the Function. Mutant: no post-hook on the shortcut's node (the weight gets a gradient)."""
+    x, w, b = _X.clone().requires_grad_(), _W.clone().requires_grad_(), torch.randn(4, dtype=F64, requires_grad=True)
+    y = cg.conv2d(x, w, b, padding=1, backend=backend)
+    assert TORCH_NODE in _nodes(y)
+    with cg.no_weight_gradients():
+        y.square().sum().backward(retain_graph=True)
+    assert w.grad is None and x.grad is not None and b.grad is not None
+    want = torch.autograd.grad(F.conv2d(x, w, b, padding=1).square().sum(), [x, b])
+    torch.testing.assert_close(x.grad, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(b.grad, want[1], rtol=0, atol=0)
+    y.square().sum().backward()  # outside the scope again: the weight gets its gradient
+    assert w.grad is not None
+
+
+@pytest.fixture
+def tuning(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """auto in "tune" mode with nothing tuned; native the only candidate (so it settles at once) unless a test
+    says otherwise."""
+    monkeypatch.setattr(auto, "CANDIDATES", ("native",))
+    auto.clear()
+    with auto.tuning_mode("tune"):
+        yield
+    auto.clear()
+
+
+def test_auto_takes_the_shortcut_once_settled_on_native(tuning: Any) -> None:
+    x, w = _X.clone().requires_grad_(), _W.clone().requires_grad_()
+    first = cg.conv2d(x, w, stride=2)
+    assert OUR_NODE in _nodes(first)  # the first call tunes, through the Function
+    first.sum().backward()
+    assert TORCH_NODE in _nodes(cg.conv2d(x, w, stride=2))
+    assert OUR_NODE in _nodes(cg.conv2d(x.detach(), w, stride=2))  # another gradient (grad_weight alone): untuned
+    auto.clear()
+    assert OUR_NODE in _nodes(cg.conv2d(x, w, stride=2))  # forgotten: tuned again
+
+
+def test_auto_settled_on_another_backend_goes_through_convgrad(tuning: Any) -> None:
+    x, w = _X.clone().requires_grad_(), _W.clone().requires_grad_()
+    cg.conv2d(x, w).sum().backward()
+    spec = ConvSpec.from_shapes(x.shape, w.shape, fn="conv2d")
+    key = auto._key(spec, "both", x)
+    assert auto._choices[key].backend == "native"
+    assert TORCH_NODE in _nodes(cg.conv2d(x, w))
+    auto._choices.remember(key, auto.Choice("fwdconv", {}))
+    assert OUR_NODE in _nodes(cg.conv2d(x, w))
+    auto._choices.remember(key, auto.Choice("native", {}, pending=("native", "fwdconv")))  # still comparing
+    assert OUR_NODE in _nodes(cg.conv2d(x, w))
+
+
+# ---- a module's memo of its last validation ----------------------------------------------------------------------
+
+def test_module_memo_follows_every_change_of_the_call() -> None:
+    """Mutant: _memoised serving whenever a memo exists (no key check) fails the stride, dtype and backend steps."""
+    m = cg.nn.Conv2d(4, 4, 3, backend="native", dtype=F64)
+    x = _X.clone()
+    assert m(x).shape == (2, 4, 4, 4) and m(x).shape == (2, 4, 4, 4)
+    assert m._convgrad_memo.key is not None
+    m.stride = (2, 2)
+    torch.testing.assert_close(m(x), F.conv2d(x, m.weight, m.bias, stride=2))
+    with pytest.raises(TypeError, match=r"Conv2d: weight\.dtype=torch\.float64 does not match input\.dtype="
+                                        r"torch\.float32"):
+        m(x.float())
+    assert OUR_NODE in _nodes(m(torch.randn(1, 4, 5, 5, dtype=F64, requires_grad=True)[..., :4]))  # not contiguous
+    m.backend = "fwdconv"
+    assert OUR_NODE in _nodes(m(x.requires_grad_()))
+    m.backend = "native"
+    assert TORCH_NODE in _nodes(m(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m.float()(x.float()).dtype == torch.bfloat16
+    assert m(x.float()).dtype == torch.float32
+
+
+def test_module_memo_under_no_weight_gradients_and_auto_modes(tuning: Any) -> None:
+    m = cg.nn.Conv2d(4, 4, 3, dtype=F64)
+    x = _X.clone().requires_grad_()
+    with auto.tuning_mode("fixed"):
+        assert TORCH_NODE in _nodes(m(x))
+        assert TORCH_NODE in _nodes(m(x))  # the memo
+        with cg.no_weight_gradients():
+            assert OUR_NODE in _nodes(m(x))
+    assert OUR_NODE in _nodes(m(x))  # tune mode, nothing tuned: the memo of fixed mode does not serve
+    m(x).sum().backward()
+    assert TORCH_NODE in _nodes(m(x))
+
+
+def test_module_memo_is_not_copied_nor_pickled() -> None:
+    m = cg.nn.Conv2d(4, 4, 3, backend="native")
+    m(torch.randn(1, 4, 6, 6))
+    assert m._convgrad_memo.key is not None
+    for twin in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert twin._convgrad_memo.key is None
+        torch.testing.assert_close(twin(torch.ones(1, 4, 6, 6)), m(torch.ones(1, 4, 6, 6)))
+
+
+def test_patched_torch_module_takes_the_shortcut() -> None:
+    m = cg.patch(torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, dtype=F64), torch.nn.Conv2d(4, 4, 1, dtype=F64)),
+                 backend="native")
+    twin = cg.unpatch(copy.deepcopy(m))
+    for _ in range(2):  # the second call through the memo
+        y = m(_X)
+        assert TORCH_NODE in _nodes(y) and OUR_NODE not in _nodes(y)
+        assert torch.equal(y, twin(_X))
