@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 import convgrad as cg
 from convgrad import autograd
-from convgrad.backends import auto
+from convgrad.backends import auto, get_backend
 from convgrad.spec import ConvSpec
+from convgrad.tuning import store as auto_cache
 
 F64 = torch.float64
 TORCH_NODE, OUR_NODE = "ConvolutionBackward0", "ConvFunctionBackward"
@@ -161,7 +162,8 @@ def test_no_weight_gradients_acts_on_a_shortcut_graph_built_outside(backend: str
 def tuning(monkeypatch: pytest.MonkeyPatch) -> Any:
     """auto in "tune" mode with nothing tuned; native the only candidate (so it settles at once) unless a test
     says otherwise."""
-    monkeypatch.setattr(auto, "CANDIDATES", ("native",))
+    monkeypatch.setattr(auto, "candidates", lambda spec, like: [get_backend("native")])
+    monkeypatch.setattr(auto_cache, "DRIFT_MIN_S", float("inf"))  # no choice watched for drift, however slow
     auto.clear()
     with auto.tuning_mode("tune"):
         yield
@@ -177,6 +179,21 @@ def test_auto_takes_the_shortcut_once_settled_on_native(tuning: Any) -> None:
     assert OUR_NODE in _nodes(cg.conv2d(x.detach(), w, stride=2))  # another gradient (grad_weight alone): untuned
     auto.clear()
     assert OUR_NODE in _nodes(cg.conv2d(x, w, stride=2))  # forgotten: tuned again
+
+
+def test_a_native_choice_watched_for_drift_goes_through_convgrad(tuning: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of 1 ms and more are watched (a choice that slows down is tuned again): they keep auto's path, in both
+    entry points. Mutant: _native_settled without the watch condition fails it."""
+    monkeypatch.setattr(auto_cache, "DRIFT_MIN_S", 0.0)
+    x, w = _X.clone().requires_grad_(), _W.clone().requires_grad_()
+    cg.conv2d(x, w).sum().backward()
+    assert OUR_NODE in _nodes(cg.conv2d(x, w))
+    spec = ConvSpec.from_shapes(x.shape, w.shape, fn="conv2d")
+    assert not auto.AutoBackend._settled_on_native(spec, "both", torch.ones(spec.output_shape, dtype=F64))
+    monkeypatch.setattr(auto_cache, "DRIFT_MIN_S", float("inf"))
+    auto._choices.remember(auto._key(spec, "both", x), auto._choices[auto._key(spec, "both", x)])  # a change
+    assert TORCH_NODE in _nodes(cg.conv2d(x, w))
+    assert auto.AutoBackend._settled_on_native(spec, "both", torch.ones(spec.output_shape, dtype=F64))
 
 
 def test_auto_settled_on_another_backend_goes_through_convgrad(tuning: Any) -> None:

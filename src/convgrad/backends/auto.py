@@ -64,6 +64,7 @@ from convgrad.tuning import (  # auto's documented names, kept from before tunin
     batch_bucket,
     cache_path,
     device_name,
+    fixed,
     get_mode,
     set_mode,
     tuning_mode,
@@ -88,7 +89,7 @@ def clear() -> None:
 
 def _key(spec: ConvSpec, gradient: str, like: torch.Tensor) -> Key:
     """(spec with its batch bucketed, gradient, dtype, device, channels last, CPU threads): what a choice depends on."""
-    last = like.dim() >= 3 and like.shape[1] > 1 and like.stride(1) == 1 and not like.is_contiguous()
+    last = not like.is_contiguous() and like.dim() >= 3 and like.shape[1] > 1 and like.stride(1) == 1
     return tuning.bucketed(spec), gradient, like.dtype, like.device, last, tuning.threads(like)
 
 
@@ -192,29 +193,21 @@ def _forward_candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
     return [b for b in candidates(spec, like) if b.name != "native" and hasattr(b, "forward")]
 
 
-# settled_native's positive answers: (id(spec), dtype, device, need_input, need_weight, threads) -> spec, valid while
-# _choices.changes is _settled_at (the spec is kept to check that the id is still its own)
+# Positive answers of settled_native and of "is the choice for this gradient a settled native": a memo key ->
+# the spec it was computed for (kept, so that its id stays its own), valid while _choices.changes is _settled_at
 _settled: dict[tuple[object, ...], ConvSpec] = {}
 _settled_at = -1
 
 
-def settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, need_input: bool,
-                   need_weight: bool) -> bool:
-    """Whether tuning has settled on native for this convolution's forward and for the gradients a call needs
-    (``need_input``, ``need_weight``; looked up for a grad_output laid out as ``input``), so that torch's own
-    convolution computes the same; False while anything is still to tune or compare, or for tensors that cannot
-    be tuned (a call through the backend tunes and settles them). Memoised per spec object until a choice
-    changes: it is asked on every call of every layer."""
+def _remembered(memo: tuple[object, ...], spec: ConvSpec, compute: Callable[[], bool]) -> bool:
+    """compute(), memoised when True until a choice changes: asked on every call of every layer."""
     global _settled_at
-    memo = (id(spec), input.dtype, input.device, need_input, need_weight,
-            torch.get_num_threads() if input.device.type == "cpu" else 0)
-    if _settled_at == _choices.changes:
-        if _settled.get(memo) is spec:
-            return True
-    else:
+    if _settled_at != _choices.changes:
         _settled.clear()
         _settled_at = _choices.changes
-    if not _settled_native(spec, input, weight, need_input, need_weight):
+    elif _settled.get(memo) is spec:
+        return True
+    if not compute():
         return False
     if len(_settled) >= 4096:
         _settled.clear()
@@ -222,16 +215,38 @@ def settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, ne
     return True
 
 
+def _memo_key(spec: ConvSpec, what: object, like: torch.Tensor) -> tuple[object, ...]:
+    """What _key reads of ``like``, with the spec's identity (cheap to hash) instead of the bucketed spec."""
+    last = not like.is_contiguous() and like.dim() >= 3 and like.shape[1] > 1 and like.stride(1) == 1
+    return id(spec), what, like.dtype, like.device, last, tuning.threads(like)
+
+
+def _native_settled(choice: Choice | None, device: torch.device) -> bool:
+    """The choice is native, settled, and not watched for drift (``Store.watched`` would just run it)."""
+    return (choice is not None and not choice.pending and choice.backend == "native"
+            and (device.type != "cpu" or choice.times.get("native", 0.0) < tuning.store.DRIFT_MIN_S))
+
+
+def settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, need_input: bool,
+                   need_weight: bool) -> bool:
+    """Whether tuning has settled on native for this convolution's forward and for the gradients a call needs
+    (``need_input``, ``need_weight``; looked up for a grad_output laid out as ``input``), so that torch's own
+    convolution computes the same; False while anything is still to tune or compare, or for tensors that cannot
+    be tuned (a call through the backend tunes and settles them), or while a choice is watched for drift (calls
+    of 1 ms and more on the CPU, see ``auto_cache``). Memoised per spec object until a choice changes."""
+    return _remembered(_memo_key(spec, (need_input, need_weight), input), spec,
+                       lambda: _settled_native(spec, input, weight, need_input, need_weight))
+
+
 def _settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, need_input: bool,
                     need_weight: bool) -> bool:
     """settled_native without its memo."""
-    if not tunable(input, weight):
+    if not tuning.tunable(input, weight):
         return False
     like = _key(spec, "", input)
     gradient = "both" if need_input and need_weight else "grad_input" if need_input else "grad_weight"
     for name in (gradient,) if need_input or need_weight else ():
-        choice = _choices.lookup((like[0], name, *like[2:]))
-        if choice is None or choice.pending or choice.backend != "native":
+        if not _native_settled(_choices.lookup((like[0], name, *like[2:])), input.device):
             return False
     choice = _choices.lookup((like[0], "forward", *like[2:]))
     if choice is not None:
@@ -284,6 +299,8 @@ class AutoBackend(Backend):
     supports_complex = True
 
     def backward(self, spec, grad_output, input, weight, need_input, need_weight):  # type: ignore[no-untyped-def]
+        if need_input and need_weight and self._settled_on_native(spec, "both", grad_output):
+            return get_backend(FIXED_CHOICE).backward(spec, grad_output, input, weight, True, True)
         if not (need_input and need_weight) or not self._tuning(grad_output, input, weight):
             if need_input and need_weight:
                 return get_backend(FIXED_CHOICE).backward(spec, grad_output, input, weight, True, True)
@@ -312,6 +329,16 @@ class AutoBackend(Backend):
         return get_backend(choice.backend if choice else FIXED_CHOICE)
 
     @staticmethod
+    def _settled_on_native(spec: ConvSpec, gradient: str, grad_output: torch.Tensor) -> bool:
+        """The choice for this gradient (or "both") is native and settled: native runs without the lookups and
+        the drift watch (memoised, see settled_native); what runs is the same."""
+        if torch.compiler.is_compiling() or fixed():
+            return False
+        return _remembered(_memo_key(spec, gradient, grad_output), spec,
+                           lambda: tuning.tunable(grad_output) and _native_settled(
+                               _choices.lookup(_key(spec, gradient, grad_output)), grad_output.device))
+
+    @staticmethod
     def _tuning(*tensors: torch.Tensor | None) -> bool:
         if tuning.fixed():
             return False
@@ -322,6 +349,8 @@ class AutoBackend(Backend):
         if torch.compiler.is_compiling() or tuning.fixed():
             # while torch.compile traces, as for both gradients (_tuning): no tuning, no lookup of a choice by a key
             # (torch.get_num_threads in it is untraceable), and no eager timing decides what a graph computes
+            return call(get_backend(FIXED_CHOICE), spec, spec.batch)
+        if self._settled_on_native(spec, gradient, grad_output):
             return call(get_backend(FIXED_CHOICE), spec, spec.batch)
         key = _key(spec, gradient, grad_output)
         known = _choices.lookup(key)
