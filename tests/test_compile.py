@@ -159,3 +159,32 @@ def test_compiling_a_fwdconv_model_gives_no_warning_from_convgrad() -> None:
                          if ("WARNING" in line or "Warning" in line) and ("convgrad" in line or "fwdconv" in line
                                                                           or "Silent incorrectness" in line)]
     assert not convgrad_warnings
+
+
+@pytest.mark.slow
+def test_two_explains_with_a_reset_leave_what_torch_leaves() -> None:
+    """Issue 25, item 8 (a process hung at exit after two torch._dynamo.explain calls with a reset between them):
+    convgrad's per-call import made Dynamo trace importlib (a posix.stat warning) and left 12 captured tracebacks
+    alive where torch's own conv_transpose2d leaves 4. Each process counts them after the resets and must exit."""
+    code = """
+        import gc, torch, torch._dynamo, torch.nn.functional as F, warnings
+        import convgrad as cg
+        x, w = torch.randn(1, 2, 5, 5, requires_grad=True), torch.randn(2, 3, 3, 3, requires_grad=True)
+        f = ((lambda x, w: F.conv_transpose2d(x, w, stride=2)) if "WHICH" == "torch"
+             else (lambda x, w: cg.conv_transpose2d(x, w, stride=2)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch._dynamo.explain(f)(x, w)
+            torch._dynamo.reset()
+            torch._dynamo.explain(f)(x, w)
+            torch._dynamo.reset()
+        gc.collect()
+        print("tracebacks", sum(type(o).__name__ == "CapturedTraceback" for o in gc.get_objects()))
+        print("warnings", [str(m.message)[:60] for m in caught if "posix" in str(m.message)])
+    """
+    counts = {}
+    for which in ("torch", "convgrad"):
+        done = _run(code.replace("WHICH", which), timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        counts[which] = done.stdout
+    assert counts["convgrad"] == counts["torch"], counts

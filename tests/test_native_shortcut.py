@@ -262,3 +262,27 @@ def test_patched_torch_module_takes_the_shortcut() -> None:
         y = m(_X)
         assert TORCH_NODE in _nodes(y) and OUR_NODE not in _nodes(y)
         assert torch.equal(y, twin(_X))
+
+
+# ---- issue 25, item 8 ------------------------------------------------------------------------------------------
+
+def test_a_call_runs_no_import_statement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo traces an import statement inside a compiled call (importlib's posix.stat, with a warning); convgrad's
+    ExpandedWeight lookup ran one on every call, and two torch._dynamo.explain calls with a reset then left 8 more
+    captured tracebacks alive than torch's conv_transpose2d (a process hung at exit releasing one). Mutant: the
+    lookup back inside _expanded_weight_type (an import per call) fails this."""
+    import builtins
+
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(2, 3, 3, 3)
+    real, imported = builtins.__import__, []
+    def spy(name: str, globals: Any = None, *args: Any, **kw: Any) -> Any:
+        if (globals or {}).get("__name__", "").startswith("convgrad"):  # torch's own lazy imports aside
+            imported.append(f"{globals['__name__']}: {name}")
+        return real(name, globals, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", spy)
+    for backend in ("auto", "native", "fwdconv"):
+        cg.conv_transpose2d(x, w, stride=2, backend=backend)
+        cg.conv2d(x, w.transpose(0, 1), backend=backend)
+    monkeypatch.undo()
+    assert imported == []

@@ -203,13 +203,24 @@ class _ExpandedConvFunction(torch.autograd.Function):
         return gi, None, None, None, None, None
 
 
-def _expanded_weight_type() -> Any:
+def _find_expanded_weight_type() -> Any:
     """torch's ExpandedWeight class, or None; typed Any: its orig_weight and batch_size are not in torch's stubs."""
     try:  # private to torch, and absent from some builds
         from torch.nn.utils._expanded_weights import ExpandedWeight
     except ImportError:
         return None
     return ExpandedWeight
+
+
+# Looked up once, at import: an import statement inside a call is traced by Dynamo (importlib's posix.stat, with a
+# warning), and after two torch._dynamo.explain calls and a reset it left 8 more captured tracebacks alive than
+# torch's own conv_transpose2d (issue 25, item 8: a hang at exit in the release of a captured traceback)
+_EXPANDED_WEIGHT = _find_expanded_weight_type()
+
+
+def _expanded_weight_type() -> Any:
+    """torch's ExpandedWeight class, or None."""
+    return _EXPANDED_WEIGHT
 
 
 def _unexpand(fn: str, input: Any, weight: Any, bias: Any) -> tuple[Any, Any, _Expanded | None]:

@@ -56,6 +56,7 @@ import torch
 
 from convgrad import tuning
 from convgrad.backends import Backend, backend_names, get_backend, register
+from convgrad.backends.native import forward as native_forward  # here, not per call: Dynamo would trace the import
 from convgrad.spec import ConvSpec
 from convgrad.tuning import (  # auto's documented names, kept from before tuning/ had its own package
     PREFER_NATIVE,
@@ -264,8 +265,6 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     with backend="auto"): native, or a candidate with a ``forward`` (fft) where its ``can_serve`` lets it in, tuned,
     cached and settled like a gradient, native kept unless beaten by ``PREFER_NATIVE``. Native when tuning is off or
     the tensors cannot be timed (compiling, vmap, forward AD, meta)."""
-    from convgrad.backends.native import forward as native_forward  # native imports this package's registry
-
     if torch.compiler.is_compiling() or get_mode() == "fixed" or not tuning.tunable(input, weight):
         return native_forward(spec, input, weight, bias)
     key = _key(spec, "forward", input)
