@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from convgrad.backends import Backend, get_backend, traceable_names
+from convgrad.backends import Backend, backend_names, get_backend, traceable_names
 from convgrad.backends.auto import changes as auto_changes
 from convgrad.backends.auto import fixed as auto_fixed
 from convgrad.backends.auto import forward as auto_forward
@@ -41,6 +41,10 @@ __all__ = [
     "conv_transpose3d",
     "no_weight_gradients",
 ]
+
+# Every backend registered now, at import, not on the first lookup inside a compiled call: Dynamo traces the imports
+# that lookup runs (pkgutil's posix.stat, with a warning), and they left captured tracebacks alive (issue 25, item 8)
+backend_names()
 
 _weight_gradients_disabled = 0
 
