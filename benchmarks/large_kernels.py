@@ -36,7 +36,7 @@ def _time(f: Callable[[], object], min_time: float) -> float:
     return benchmark.Timer("f()", globals={"f": f}).blocked_autorange(min_run_time=min_time).median
 
 
-def _peak_bytes(f: Callable[[], object]) -> int:
+def peak_bytes(f: Callable[[], object]) -> int:
     """Peak of live bytes allocated during one call of f (torch profiler memory events, CPU allocator)."""
     f()
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,8 +106,8 @@ def measure(layer: Layer, min_time: float) -> dict[str, object]:
         picked_bwd = _settle(calls["auto_bwd"], lambda: auto.chosen(spec, "both", gy))
         picked_fwd = _settle(calls["auto_fwd"], lambda: auto.chosen(spec, "forward", x)).split("/")[0]
         times = {k: _time(f, min_time) for k, f in calls.items()}
-        peaks = {"native": _peak_bytes(calls["native_bwd"]), "fft": _peak_bytes(calls["fft_bwd"]),
-                 "auto": _peak_bytes(calls["auto_bwd"])}
+        peaks = {"native": peak_bytes(calls["native_bwd"]), "fft": peak_bytes(calls["fft_bwd"]),
+                 "auto": peak_bytes(calls["auto_bwd"])}
     contender = _fft_conv_pytorch(spec, x, w, gy)
     times["fftconv_step"] = _time(contender, min_time) if contender else float("nan")
     return {"layer": layer.name, "times": times, "auto": f"{picked_fwd}; {picked_bwd}", "peaks": peaks}

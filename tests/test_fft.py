@@ -173,6 +173,21 @@ def test_fft_plan_lists_its_steps_in_order() -> None:
     assert fft.plan(spec, "grad_input").steps[-1].shape == spec.input_shape
 
 
+@pytest.mark.parametrize("case", [LARGE[5], LARGE[8], LARGE[10], LARGE[14]], ids=str)
+def test_fft_plan_code_runs_and_gives_what_execute_gives(case: Case) -> None:
+    """Each plan's script (its steps' ``code()`` lines, as explain shows them) run on real data equals execute()."""
+    spec, t = case.spec(), make_tensors(case)
+    x, y = (t["grad_output"], t["input"]) if spec.transposed else (t["input"], t["grad_output"])
+    given = {"grad_input": (t["grad_output"], t["weight"]), "grad_weight": (x, y), "output": (t["input"], t["weight"])}
+    for gradient, (data, other) in given.items():
+        p = fft.plan(spec, gradient)
+        names = {"y_from_x": ("x", "w"), "x_from_y": ("y", "w"), "w_from_xy": ("x", "y")}[p.kind]
+        scope = dict(zip(names, (data, other)))
+        exec("\n".join(p.code()), scope)
+        ref = fft.execute(p, data, other)
+        assert scope["out"].shape == ref.shape and _normwise(scope["out"], ref) <= NORMWISE_F64, (str(case), gradient)
+
+
 def test_auto_never_times_fft_on_3x3_and_7x7_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Counted candidates: the cost model leaves fft out of ResNet's 3x3 and ConvNeXt's 7x7 depthwise, and takes it
     in on a 31x31 depthwise layer."""
