@@ -1,10 +1,11 @@
 """Large kernels (issue 28): fft, auto and fft-conv-pytorch against native on `convgrad bench --suite large`.
 
 Per layer, float32, in one process and interleaved (ratios, not absolute times, are what this measures; on a shared
-machine they are noisy): native's forward and backward (both gradients), fft's forward and backward, auto's backward
-after tuning (and the backend it chose per gradient), fft-conv-pytorch 1.2.0's forward + backward (autograd through
-its FFT conv; forward convs only), and the peak of live bytes in PyTorch's CPU allocator during one backward by native
-and by fft (the torch profiler's memory events).
+machine they are noisy): native's forward and backward (both gradients), fft's forward and backward, auto's forward
+and backward after it has settled (the calls go on until neither choice has a race pending) and the backend it chose
+for the forward, grad_input and grad_weight, fft-conv-pytorch 1.2.0's forward + backward (autograd through its FFT
+conv; forward convs only) against fft's and auto's forward + backward, and the peak of live bytes in PyTorch's CPU
+allocator during one backward by native, fft and auto (the torch profiler's memory events, profile_memory=True).
 
     PYTHONPATH=src python benchmarks/large_kernels.py --threads 2 [--layers 'replknet*' ...] [--min-time 0.5]
 
@@ -35,7 +36,7 @@ def _time(f: Callable[[], object], min_time: float) -> float:
     return benchmark.Timer("f()", globals={"f": f}).blocked_autorange(min_run_time=min_time).median
 
 
-def _peak_bytes(f: Callable[[], object]) -> int:
+def peak_bytes(f: Callable[[], object]) -> int:
     """Peak of live bytes allocated during one call of f (torch profiler memory events, CPU allocator)."""
     f()
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,6 +72,22 @@ def _fft_conv_pytorch(spec: ConvSpec, x: torch.Tensor, w: torch.Tensor, gy: torc
     return step
 
 
+def _settle(call: Callable[[], object], key: Callable[[], object], most: int = 64) -> str:
+    """Call until auto's choice for ``key`` exists with no race pending (at most ``most`` calls); its name."""
+    for _ in range(most):
+        call()
+        choice = key()
+        if choice is not None and not choice.pending:  # type: ignore[attr-defined]
+            break
+    choice = key()
+    if choice is None:
+        return "native"
+    if choice.backend == "split":  # type: ignore[attr-defined]
+        return "/".join(choice.parts)  # type: ignore[attr-defined]
+    name: str = choice.backend  # type: ignore[attr-defined]
+    return f"{name}/{name}"
+
+
 def measure(layer: Layer, min_time: float) -> dict[str, object]:
     spec = layer.spec()
     x, w, gy = (torch.randn(s) for s in (spec.input_shape, spec.weight_shape, spec.output_shape))
@@ -84,34 +101,35 @@ def measure(layer: Layer, min_time: float) -> dict[str, object]:
     with auto.tuning_mode("tune"):
         auto.clear()
         backend = get_backend("auto")
-        for _ in range(16):  # screening, then the rounds that settle a close call
-            backend.gradients(spec, gy, x, w, True, True)
-        choice = auto.chosen(spec, "both", gy)
-        picked = choice.backend if choice else "native"
-        if picked == "split" and choice:
-            picked = "/".join(choice.parts)
+        calls["auto_fwd"] = lambda: auto.forward(spec, x, w, None)
         calls["auto_bwd"] = lambda: backend.gradients(spec, gy, x, w, True, True)
+        picked_bwd = _settle(calls["auto_bwd"], lambda: auto.chosen(spec, "both", gy))
+        picked_fwd = _settle(calls["auto_fwd"], lambda: auto.chosen(spec, "forward", x)).split("/")[0]
         times = {k: _time(f, min_time) for k, f in calls.items()}
+        peaks = {"native": peak_bytes(calls["native_bwd"]), "fft": peak_bytes(calls["fft_bwd"]),
+                 "auto": peak_bytes(calls["auto_bwd"])}
     contender = _fft_conv_pytorch(spec, x, w, gy)
     times["fftconv_step"] = _time(contender, min_time) if contender else float("nan")
-    peaks = {"native": _peak_bytes(calls["native_bwd"]), "fft": _peak_bytes(calls["fft_bwd"])}
-    return {"layer": layer.name, "times": times, "auto": picked, "peaks": peaks}
+    return {"layer": layer.name, "times": times, "auto": f"{picked_fwd}; {picked_bwd}", "peaks": peaks}
 
 
 def _row(r: dict[str, object]) -> str:
     t: dict[str, float] = r["times"]  # type: ignore[assignment]
     p: dict[str, int] = r["peaks"]  # type: ignore[assignment]
-    step_native, step_fft = t["native_fwd"] + t["native_bwd"], t["fft_fwd"] + t["fft_bwd"]
-    vs_contender = t["fftconv_step"] / step_fft if t["fftconv_step"] == t["fftconv_step"] else float("nan")
+    step = {k: t[f"{k}_fwd"] + t[f"{k}_bwd"] for k in ("native", "fft", "auto")}
+    contender = t["fftconv_step"]
+    vs = {k: contender / step[k] if contender == contender else float("nan") for k in ("fft", "auto")}
+    mib = " | ".join(f"{p[k] / 2**20:.1f}" for k in ("native", "fft", "auto"))
     return (f"| {r['layer']} | {t['native_fwd'] * 1e3:.1f} | {t['native_bwd'] * 1e3:.1f} | "
             f"{t['native_fwd'] / t['fft_fwd']:.2f} | {t['native_bwd'] / t['fft_bwd']:.2f} | "
-            f"{t['native_bwd'] / t['auto_bwd']:.2f} | {r['auto']} | {step_native / step_fft:.2f} | "
-            f"{vs_contender:.2f} | {p['native'] / 2**20:.1f} | {p['fft'] / 2**20:.1f} |")
+            f"{t['native_fwd'] / t['auto_fwd']:.2f} | {t['native_bwd'] / t['auto_bwd']:.2f} | {r['auto']} | "
+            f"{step['native'] / step['auto']:.2f} | {vs['fft']:.2f} | {vs['auto']:.2f} | {mib} |")
 
 
-HEADER = ("| layer | native fwd ms | native bwd ms | fft fwd x native | fft bwd x native | auto bwd x native | "
-          "auto picks | fft step x native | fft step x fft-conv-pytorch | native bwd peak MiB | fft bwd peak MiB |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| layer | native fwd ms | native bwd ms | fft fwd x native | fft bwd x native | auto fwd x native | "
+          "auto bwd x native | auto picks (fwd; gi/gw) | auto step x native | fft step x fft-conv-pytorch | "
+          "auto step x fft-conv-pytorch | native bwd peak MiB | fft bwd peak MiB | auto bwd peak MiB |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main(argv: list[str] | None = None) -> int:

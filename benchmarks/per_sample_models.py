@@ -128,7 +128,32 @@ class UNet(nn.Module):
         return self.head(d1).mean((2, 3))  # (N, 10)
 
 
+class _LargeKernelBlock(nn.Module):
+    def __init__(self, c: int, k: int, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, k, padding=k // 2, groups=c, bias=False)
+        self.norm = norm(c)
+        self.pw = nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pw(F.gelu(self.norm(self.dw(x))))
+
+
+def replknet_small(norm: str = "group", channels: int = 64, blocks: int = 3, kernel: int = 31) -> nn.Module:
+    """A RepLKNet-style net on 56x56: a 3x3 stride-2 stem to 28x28, ``blocks`` residual blocks of a ``kernel`` x
+    ``kernel`` depthwise conv, a norm (GroupNorm for DP, or "batch": BatchNorm, as RepLKNet), GELU and a 1x1 conv;
+    mean over space, one linear layer (issue 28's training-step and DP benchmarks)."""
+    def make(c: int) -> nn.Module:
+        return nn.BatchNorm2d(c) if norm == "batch" else nn.GroupNorm(16, c)
+
+    return nn.Sequential(nn.Conv2d(3, channels, 3, 2, 1), make(channels), nn.GELU(),
+                         *(_LargeKernelBlock(channels, kernel, make) for _ in range(blocks)),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, CLASSES))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"small_cnn": small_cnn, "resnet18": resnet18, "vgg11": vgg11,
-                                              "wrn16_4": wrn16_4, "conv1d_audio": conv1d_audio, "unet": UNet}
+                                              "wrn16_4": wrn16_4, "conv1d_audio": conv1d_audio, "unet": UNet,
+                                              "replknet_small": replknet_small}
 INPUT_SHAPES: dict[str, tuple[int, ...]] = {name: (1, 8000) if name == "conv1d_audio" else (3, 32, 32)
                                             for name in MODELS}  # one sample's shape
+INPUT_SHAPES["replknet_small"] = (3, 56, 56)

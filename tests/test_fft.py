@@ -10,6 +10,8 @@ import torch
 
 import convgrad as cg
 from convgrad.backends import auto, fft, get_backend
+from convgrad.backends.fft import plans as fft_plans
+from convgrad.backends.fft import transforms as fft_transforms
 from convgrad.spec import ConvSpec, smooth_size
 from helpers import Case, assert_gradchecks, grid_cases, make_tensors, random_cases, reference_forward, reference_grads
 
@@ -55,6 +57,13 @@ LARGE = [
          name="transposed-7x7-op1"),
     Case((2, 3, 9), (3, 2, 15), stride=3, padding=2, dilation=2, transposed=True, output_padding=1,
          name="1d-transposed-dilated"),
+    # one channel on a side (B = 1 or A = 1): the broadcast products
+    Case((2, 1, 200), (6, 1, 31), name="1d-front-end-one-input-channel"),
+    Case((2, 4, 40), (1, 4, 17), padding=8, name="1d-one-output-channel"),
+    # transform lengths below U: causal (no trailing zeros, L = U), uneven pads, stride with pads
+    Case((2, 3, 64), (3, 1, 64), padding=((63, 0),), groups=3, name="1d-causal-k-equals-length"),
+    Case((2, 2, 19, 23), (2, 1, 15, 9), padding=((9, 3), (2, 8)), groups=2, name="uneven-pads-15x9"),
+    Case((2, 2, 37), (2, 1, 21), stride=3, padding=((13, 10),), groups=2, name="1d-stride3-wide-pads"),
 ]
 
 
@@ -123,11 +132,19 @@ def test_fft_chunks_over_groups_and_samples_give_the_same_result(monkeypatch: py
     case = Case((5, 6, 14, 14), (6, 2, 9, 9), stride=2, padding=4, groups=3, name="chunked")
     t = make_tensors(case)
     whole = _ours(case, t)
-    monkeypatch.setattr(fft, "CHUNK_MIN_REALS", 1)
+    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
     p = fft.plan(case.spec(), "grad_input")
     assert p.chunks[0] < 3 and p.chunks[1] < 5, p.chunks
     for a, b in zip(_ours(case, t), whole):
         assert _normwise(a, b) <= NORMWISE_F64
+
+
+def test_fft_transform_length_drops_the_padding_rows_that_wrap_onto_zeros() -> None:
+    """L = smooth(U - min(lead, trail)): 45 for a 31x31 kernel padded 15 on 28 rows (U = 58), U itself when causal."""
+    dims = ConvSpec.from_shapes((1, 1, 28, 28), (1, 1, 31, 31), padding=15).fft_phases
+    assert [(d.rows, d.size) for d in dims] == [(58, 45), (58, 45)]
+    (causal,) = ConvSpec.from_shapes((1, 1, 64), (1, 1, 64), padding=((63, 0),)).fft_phases
+    assert (causal.rows, causal.size) == (127, smooth_size(127))
 
 
 def test_fft_phases_reduce_to_stride_phases_with_dilation_1() -> None:
@@ -156,6 +173,21 @@ def test_fft_plan_lists_its_steps_in_order() -> None:
     assert fft.plan(spec, "grad_input").steps[-1].shape == spec.input_shape
 
 
+@pytest.mark.parametrize("case", [LARGE[5], LARGE[8], LARGE[10], LARGE[14]], ids=str)
+def test_fft_plan_code_runs_and_gives_what_execute_gives(case: Case) -> None:
+    """Each plan's script (its steps' ``code()`` lines, as explain shows them) run on real data equals execute()."""
+    spec, t = case.spec(), make_tensors(case)
+    x, y = (t["grad_output"], t["input"]) if spec.transposed else (t["input"], t["grad_output"])
+    given = {"grad_input": (t["grad_output"], t["weight"]), "grad_weight": (x, y), "output": (t["input"], t["weight"])}
+    for gradient, (data, other) in given.items():
+        p = fft.plan(spec, gradient)
+        names = {"y_from_x": ("x", "w"), "x_from_y": ("y", "w"), "w_from_xy": ("x", "y")}[p.kind]
+        scope = dict(zip(names, (data, other)))
+        exec("\n".join(p.code()), scope)
+        ref = fft.execute(p, data, other)
+        assert scope["out"].shape == ref.shape and _normwise(scope["out"], ref) <= NORMWISE_F64, (str(case), gradient)
+
+
 def test_auto_never_times_fft_on_3x3_and_7x7_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Counted candidates: the cost model leaves fft out of ResNet's 3x3 and ConvNeXt's 7x7 depthwise, and takes it
     in on a 31x31 depthwise layer."""
@@ -179,10 +211,10 @@ def test_auto_never_times_fft_on_3x3_and_7x7_layers(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_check_judges_fft_by_its_normwise_bound_and_fails_a_lossy_crop(
+def test_check_judges_fft_by_its_normwise_bound_and_fails_a_lossy_inverse(
         dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`convgrad check` passes fft on large, strided and grouped kernels, and fails it when the crop after the
-    inverse transform loses a column (the mutant)."""
+    """`convgrad check` passes fft on large, strided and grouped kernels, and fails it when the inverse transform
+    loses a column (the mutant)."""
     from convgrad.cli.check import check_config
 
     configs = [dict(input_size=(2, 4, 20, 20), weight_size=(4, 1, 9, 9), padding=4, groups=4),
@@ -190,14 +222,14 @@ def test_check_judges_fft_by_its_normwise_bound_and_fails_a_lossy_crop(
     for config in configs:
         _, results = check_config(**config, dtype=dtype, backends=["fft"])
         assert [r.status for r in results] == ["pass"] * 3, results
-    crop = fft._crop
+    inverse = fft_transforms.inverse_transform
 
-    def lossy(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
-        out = crop(t, rows).clone()
-        out[..., rows[-1] // 2] = 0
+    def lossy(t: torch.Tensor, sizes: tuple[int, ...], real: bool) -> torch.Tensor:
+        out = inverse(t, sizes, real).clone()
+        out[..., [2, sizes[-1] // 2]] = 0  # a kernel slot (grad_weight's crop keeps it) and a data row
         return out
 
-    monkeypatch.setattr(fft, "_crop", lossy)
+    monkeypatch.setattr(fft_transforms, "inverse_transform", lossy)
     for config in configs:
         _, results = check_config(**config, dtype=dtype, backends=["fft"])
         assert {r.gradient for r in results if r.failed} == {"grad_input", "grad_weight"}, results

@@ -94,7 +94,8 @@ class FftDim(NamedTuple):
     """One dim of the FFT backend's polyphase split (``ConvSpec.fft_phases``).
 
     x padded by ``pads`` has s*``rows`` rows; its phase ``phases[p]`` (rows phi::s) is correlated, stride 1, with a
-    kernel of ``taps`` slots in which tap t sits at slot ``slots[t]`` - p*taps; ``size`` is the transform length.
+    kernel of ``taps`` slots in which tap t sits at slot ``slots[t]`` - p*taps; ``size`` is the transform length,
+    and x padded by ``transform_pads`` has s*``size`` rows (rows past ``size`` per phase are zeros).
     """
 
     phases: tuple[int, ...]
@@ -103,6 +104,7 @@ class FftDim(NamedTuple):
     pads: Pair
     size: int
     slots: tuple[int, ...]
+    transform_pads: Pair
 
 
 def smooth_size(n: int) -> int:
@@ -257,18 +259,30 @@ def stride_phase(k: int, s: int, o: int, pads: Pair, size: int) -> tuple[int, in
     return q, o + q - 1, (lo, hi + s * (o + q - 1) - size)
 
 
-def fft_phase(k: int, s: int, d: int, o: int, pads: Pair, size: int) -> FftDim:
+def fft_phase(i: int, k: int, s: int, d: int, o: int, pads: Pair, size: int) -> FftDim:
     """One dim of ``ConvSpec.fft_phases``: the polyphase split of the read x into stride-1 correlations.
 
     Tap t reads x_pad[j*s + t*d]; with t*d = s*q + phi it is row j + q of phase phi (the rows phi::s), so each
     phase is read by a stride-1 correlation with the taps whose t*d = phi (mod s), at offsets q = t*d div s.
     Only the phases some tap reaches take part (the multiples of gcd(s, d) below s). With dilation 1 this is
     ``stride_phase`` (Q = ceil(k/s), U = o + Q - 1, the same pads); with stride 1 it is the dilated kernel.
-    ``pads`` and ``size`` are x_read_pads and x_read_size of the dim.
+    ``pads`` and ``size`` are x_read_pads and x_read_size of the dim, ``i`` the input extent.
+
+    The transform length L need not reach U: a phase's first ``lead`` and last ``trail`` rows are padding zeros,
+    and a circular correlation of length L >= U - min(lead, trail) (and >= o, Q) wraps only zeros onto zeros
+    (reads past L land on the leading zeros, reads below 0 on the trailing ones); grad_input's adjoint is exact
+    on the data rows, which all lie below L. A 31x31 kernel padded 15 on 28x28 is transformed at 45, not 60.
+
+    Examples:
+        >>> fft_phase(28, 31, 1, 1, 28, (15, 15), 58).size  # U = 58
+        45
     """
     q = d * (k - 1) // s + 1
     rows = o + q - 1
     phases = tuple(sorted({t * d % s for t in range(k)}))
     slots = tuple(phases.index(t * d % s) * q + t * d // s for t in range(k))
     lo, hi = pads
-    return FftDim(phases, q, rows, (lo, hi + s * rows - size), smooth_size(rows), slots)
+    first, end = max(lo, 0), min(lo + i, s * rows)  # the data rows of the padded x
+    lead, trail = (first // s, rows - 1 - (end - 1) // s) if end > first else (rows, rows)
+    length = smooth_size(max(rows - min(lead, trail), o, q, 1))
+    return FftDim(phases, q, rows, (lo, hi + s * rows - size), length, slots, (lo, hi + s * length - size))

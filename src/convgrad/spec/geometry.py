@@ -305,17 +305,19 @@ class ConvSpec:
 
         Returns:
             tuple of ``FftDim`` per spatial dim: the live phases, Q, U, the pads of x to s*U rows, the transform
-            size L (5-smooth, >= U, so the circular products do not wrap) and each tap's slot p*Q + q.
+            size L (5-smooth, >= U less the padding rows that wrap onto zeros), each tap's slot p*Q + q and the
+            pads of x to s*L rows.
 
         Examples:
             >>> spec = ConvSpec.from_shapes((1, 1, 7), (1, 1, 3), stride=2, padding=1)
             >>> spec.fft_phases[0][1:4] == spec.stride_phases[0]
             True
             >>> ConvSpec.from_shapes((1, 1, 9), (1, 1, 3), stride=2, dilation=2).fft_phases[0]
-            FftDim(phases=(0,), taps=3, rows=5, pads=(0, 1), size=5, slots=(0, 1, 2))
+            FftDim(phases=(0,), taps=3, rows=5, pads=(0, 1), size=5, slots=(0, 1, 2), transform_pads=(0, 1))
         """
-        return tuple(formulation.fft_phase(k, s, d, o, pads, size) for k, s, d, o, pads, size in zip(
-            self.kernel_size, self.stride, self.dilation, self.y_size, self.x_read_pads, self.x_read_size))
+        return tuple(formulation.fft_phase(i, k, s, d, o, pads, size) for i, k, s, d, o, pads, size in zip(
+            self.x_size, self.kernel_size, self.stride, self.dilation, self.y_size, self.x_read_pads,
+            self.x_read_size))
 
     def fft_chunks(self, phase_count: int, budget: int) -> tuple[int, int]:
         """(groups, samples) per chunk of the FFT backend, so that one chunk's spectra hold about ``budget`` reals:
@@ -327,7 +329,7 @@ class ConvSpec:
             >>> spec.fft_chunks(1, 2**22)
             (64, 8)
             >>> spec.fft_chunks(1, 2**18)
-            (4, 8)
+            (7, 8)
         """
         bins = 2 * math.prod(f.size for f in self.fft_phases[:-1]) * (self.fft_phases[-1].size // 2 + 1)
         a, b = self.y_channels // self.groups, self.x_channels // self.groups * phase_count

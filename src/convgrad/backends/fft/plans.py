@@ -1,0 +1,152 @@
+"""The fft backend's plans: from a ``ConvSpec`` (shapes only) the steps of one result, which ``explain`` shows.
+
+A plan names its kind (KINDS: which side is computed from which), the polyphase split of every dim
+(``ConvSpec.fft_phases``), the chunks (groups, samples) and its steps: pad, phases, taps, transform, product,
+inverse, crop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from convgrad.errors import ConvgradValueError
+from convgrad.spec import ConvSpec, FftDim
+
+__all__ = ["CHUNK_MIN_REALS", "KINDS", "FftPlan", "FftStep", "plan"]
+
+Shape = tuple[int, ...]
+KINDS = ("y_from_x", "x_from_y", "w_from_xy")
+# One chunk's spectra hold about max(CHUNK_MIN_REALS, a quarter of the layer's x and y elements) reals: with the
+# inverse transform and the result beside them, a backward's peak stays near native's (benchmarks/large_kernels.py).
+CHUNK_MIN_REALS = 2**18
+
+
+@dataclass(frozen=True)
+class FftStep:
+    """One step of an fft plan: its name (pad, phases, transform, product, inverse, crop, taps), what it does,
+    and the shape of the tensor after it."""
+
+    name: str
+    text: str
+    shape: Shape
+    lines: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.text} -> {self.shape}"
+
+    def code(self) -> list[str]:
+        """The step's lines of the plan's script (``FftPlan.code``): torch and the package's transforms."""
+        return list(self.lines)
+
+
+@dataclass(frozen=True)
+class FftPlan:
+    """The plan of one result (``gradient``: grad_input, grad_weight or output) by the convolution theorem."""
+
+    gradient: str
+    spec: ConvSpec
+    kind: str  # one of KINDS
+    dims: tuple[FftDim, ...]
+    chunks: tuple[int, int]  # (groups, samples) per chunk
+    steps: tuple[FftStep, ...]
+    method: str = "fft"
+
+    @property
+    def phase_count(self) -> int:
+        return math.prod(len(d.phases) for d in self.dims)
+
+    @property
+    def sizes(self) -> Shape:
+        return tuple(d.size for d in self.dims)
+
+    @property
+    def group_channels(self) -> tuple[int, int, int]:
+        """(A, B0, B): y channels per group, x channels per group, and x channels per group times the live phases."""
+        b0 = self.spec.x_channels // self.spec.groups
+        return self.spec.y_channels // self.spec.groups, b0, b0 * self.phase_count
+
+    def describe(self) -> str:
+        return "\n".join(f"{j + 1}. {s.describe()}" for j, s in enumerate(self.steps))
+
+    def code(self) -> list[str]:
+        """A runnable script of the plan for real data, one chunk: it reads ``x`` and ``w`` (y_from_x), ``y`` and
+        ``w`` (x_from_y) or ``x`` and ``y`` (w_from_xy) and leaves the result in ``out``."""
+        a, _, b = self.group_channels
+        n, g = self.spec.batch, self.spec.groups
+        head = ["import torch", "from convgrad.backends.fft import transforms as tf",
+                "from convgrad.spec import FftDim", f"dims = {self.dims!r}",
+                f"sizes, stride, n, g, A, B = {self.sizes}, {self.spec.stride}, {n}, {g}, {a}, {b}",
+                f"bins = {(*self.sizes[:-1], self.sizes[-1] // 2 + 1)}"]
+        return head + [line for step in self.steps for line in step.code()]
+
+
+def plan(spec: ConvSpec, gradient: str) -> FftPlan:
+    """The plan of ``gradient`` (grad_input, grad_weight, or output: the convolution itself) for ``spec``.
+
+    Raises:
+        ValueError: an unknown gradient.
+
+    Examples:
+        >>> from convgrad.spec import ConvSpec
+        >>> p = plan(ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256), "output")
+        >>> p.kind, p.sizes, [s.name for s in p.steps]
+        ('y_from_x', (45, 45), ['pad', 'phases', 'taps', 'transform', 'product', 'inverse', 'crop'])
+    """
+    kinds = {"grad_input": "y_from_x" if spec.transposed else "x_from_y", "grad_weight": "w_from_xy",
+             "output": "x_from_y" if spec.transposed else "y_from_x"}
+    if gradient not in kinds:
+        raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
+    kind, dims = kinds[gradient], spec.fft_phases
+    p = math.prod(len(d.phases) for d in dims)
+    chunks = spec.fft_chunks(p, max(CHUNK_MIN_REALS, spec.side_elements // 4))
+    return FftPlan(gradient, spec, kind, dims, chunks, _steps(spec, kind, dims, p))
+
+
+def _steps(spec: ConvSpec, kind: str, dims: tuple[FftDim, ...], p: int) -> tuple[FftStep, ...]:
+    n, cx, cy, g, nd = spec.batch, spec.x_channels, spec.y_channels, spec.groups, spec.n
+    q, sizes = tuple(d.taps for d in dims), tuple(d.size for d in dims)
+    phases = tuple(d.phases for d in dims)
+    x_steps = (FftStep("pad", f"pad x by {tuple(d.transform_pads for d in dims)} (negative = crop) to stride * L rows",
+                       (n, cx, *(s * r for s, r in zip(spec.stride, sizes))),
+                       ("xs = tf.to_phases(x, dims, stride)  # pad, then the phases as channels: (n, C_x*P, *L)",)),
+               FftStep("phases", f"split x into the live phases {phases} of stride {spec.stride}, as channels",
+                       (n, cx * p, *sizes)))
+    w_steps = (FftStep("taps", f"place each tap t at slot (phase, t*d div s) of a {q} kernel per phase",
+                       (cy, cx // g * p, *q), ("wp = tf.place_taps(w, dims)  # (C_y, B, *Q)",)),)
+    contraction = f"per bin, {g} groups as a batch dim"
+    if kind == "y_from_x":
+        return (*x_steps, *w_steps,
+                FftStep("transform", f"transform x and the kernel to {sizes} bins (zero-padded)", (n, cx * p, *sizes),
+                        ("xf = tf.forward_transform(xs, sizes).reshape(n, g, B, -1)  # (n, g, B, F)",
+                         f"wf = tf.reversed_spectrum(tf.forward_transform(wp, sizes), {nd}, True)",
+                         "wf = wf.reshape(g, A, B, -1)  # (g, A, B, F)")),
+                FftStep("product", f"Y[n,a] = sum_b X[n,b] W(-f)[a,b], {contraction}", (n, cy, *sizes),
+                        ("yf = tf.y_bins(xf, wf).reshape(n, g * A, *bins)  # (n, C_y, *bins)",)),
+                FftStep("inverse", "inverse transform", (n, cy, *sizes),
+                        ("yl = tf.inverse_transform(yf, sizes, True)  # (n, C_y, *L)",)),
+                FftStep("crop", f"keep the first o = {spec.y_size} rows: the stride-1 correlation", spec.y_shape,
+                        (f"out = tf.first_rows(yl, {spec.y_size})  # (n, C_y, *o)",)))
+    if kind == "x_from_y":
+        return (*w_steps,
+                FftStep("transform", f"transform y and the kernel to {sizes} bins (zero-padded)", (n, cy, *sizes),
+                        ("yf = tf.forward_transform(y, sizes).reshape(n, g, A, -1)  # (n, g, A, F)",
+                         "wf = tf.forward_transform(wp, sizes).reshape(g, A, B, -1)  # (g, A, B, F)")),
+                FftStep("product", f"X[n,b] = sum_a Y[n,a] W[a,b], {contraction}", (n, cx * p, *sizes),
+                        ("xf = tf.x_bins(yf, wf).reshape(n, g * B, *bins)  # (n, C_x*P, *bins)",)),
+                FftStep("inverse", "inverse transform: the L rows of each phase", (n, cx * p, *sizes),
+                        ("xs = tf.inverse_transform(xf, sizes, True)  # (n, C_x*P, *L)",)),
+                FftStep("phases", "interleave the phases (zeros in those no tap reaches) and crop the pads",
+                        spec.x_shape, (f"out = tf.from_phases(xs, dims, stride, {cx})  # (n, C_x, *i)",)))
+    return (*x_steps,
+            FftStep("transform", f"transform x and y to {sizes} bins (zero-padded)", (n, cx * p, *sizes),
+                    ("xf = tf.forward_transform(xs, sizes).reshape(n, g, B, -1)  # (n, g, B, F)",
+                     f"yf = tf.reversed_spectrum(tf.forward_transform(y, sizes), {nd}, True).reshape(n, g, A, -1)")),
+            FftStep("product", f"W[a,b] = sum_n Y(-f)[n,a] X[n,b], {contraction}", (cy, cx // g * p, *sizes),
+                    ("wf = tf.w_bins(xf, yf).reshape(g * A, B, *bins)  # (C_y, B, *bins)",)),
+            FftStep("inverse", "inverse transform", (cy, cx // g * p, *sizes),
+                    ("wl = tf.inverse_transform(wf, sizes, True)  # (C_y, B, *L)",)),
+            FftStep("crop", f"keep the first Q = {q} slots: the correlation's lags", (cy, cx // g * p, *q),
+                    (f"wq = tf.first_rows(wl, {q})  # (C_y, B, *Q)",)),
+            FftStep("taps", "read each tap t from its slot", spec.weight_shape,
+                    (f"out = tf.read_taps(wq, dims, {cx // g})  # (C_y, C_x/g, *k)",)))
