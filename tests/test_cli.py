@@ -79,12 +79,15 @@ def _assert_one_line_error(proc: Ran, command: str, message: str) -> None:
     assert f"error: {command}:" not in err and f"error: convgrad {command}:" not in err  # one prefix
 
 
-def test_python_m_convgrad_runs_the_commands() -> None:
-    """Smoke test: a real ``python -m convgrad`` process."""
-    proc = _process("--help")
+def test_help_lists_the_commands() -> None:
+    proc = _convgrad("--help")
     assert proc.returncode == 0 and proc.stderr == ""
     for command in ("demo", "check", "bench", "explain"):
         assert command in proc.stdout
+
+
+def test_python_m_convgrad_runs_the_commands() -> None:
+    """Smoke test: a real ``python -m convgrad`` process (one: each costs an interpreter and torch's import)."""
     proc = _process("check", *CONFIG, "--backend", "fwdconv", "--dtype", "float16")
     assert proc.returncode == 0 and "every gradient within its error bound" in proc.stdout, proc.stdout + proc.stderr
 

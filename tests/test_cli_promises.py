@@ -71,6 +71,7 @@ def test_each_output_is_written_exactly_where_it_is_reported(tmp_path: Path, cap
 
 # ---- a closed pipe ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a fresh interpreter; test_cli.py::test_a_closed_pipe_ends_quietly checks the status in-process
 def test_a_closed_pipe_is_status_141_not_checks_out_of_tolerance() -> None:
     """`convgrad check ... | head` returned 1, the status check gives a gradient out of tolerance; a script with
     pipefail could not tell a closed pipe from a failed check. 141 = 128 + SIGPIPE, as the shell reports for

@@ -1,5 +1,5 @@
 """torch.compile(fullgraph=True) over convgrad, each case of issue 25, item 7: one graph, torch's gradients, and no
-Dynamo warning that points into convgrad. Compiling is slow: all but the first test are in the slow tier.
+Dynamo warning that points into convgrad. Compiling is slow: every test is in the slow tier.
 
 A fresh process is part of some cases (what is imported, which warnings Dynamo has already given once), so those
 run a script in a subprocess.
@@ -34,6 +34,7 @@ def _run(script: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, env=env)
 
 
+@pytest.mark.slow  # torch.compile: Dynamo and AOT tracing
 def test_auto_with_one_gradient_compiles_in_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model's first layer needs grad_weight alone; auto's lookup key called torch.get_num_threads, which Dynamo
     cannot trace. While compiling, auto runs native for one gradient as it already did for both."""
