@@ -3,12 +3,13 @@
 For nn.functional.conv{1,2,3}d and conv_transpose{1,2,3}d: every sample input (float64) gives torch's output and
 gradients through convgrad's function of the same name; every error input that torch refuses is refused by convgrad
 too (no escape); the samples pass gradcheck with check_batched_grad. For Conv*/ConvTranspose* in module_db: the
-convgrad.nn module built with the same constructor arguments gives torch's output and gradients. The whole corpus is
-in the slow tier; a tiny sample of it runs by default. Run with ``-s`` to see the counts.
+convgrad.nn module built with the same constructor arguments gives torch's output and gradients. Every test is in
+the slow tier (importing the corpus alone takes seconds). Run with ``-s`` to see the counts.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,18 +21,45 @@ import convgrad.nn as cnn
 from convgrad.backends import get_backend
 from helpers import TOL
 
-common_methods_invocations = pytest.importorskip("torch.testing._internal.common_methods_invocations")
-common_modules = pytest.importorskip("torch.testing._internal.common_modules")
-# importing torch.testing._internal freezes torch.backends' flags for the whole process (disable_global_flags, as
-# PyTorch's own test runner wants); the other tests, collected in the same process, set them directly: unfreeze
-torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
-assert not torch.backends.flags_frozen()
-
 F64 = torch.float64
 BACKENDS = cg.backends()
-OPS = [op for op in common_methods_invocations.op_db if op.name.startswith("nn.functional.conv")]
-MODULES = [m for m in common_modules.module_db
-           if m.module_cls.__name__.startswith(("Conv", "ConvTranspose")) and hasattr(cnn, m.module_cls.__name__)]
+# The corpus is imported when a test first needs it, not at collection: torch.testing._internal takes several
+# seconds to import, and every test here is in the slow tier. test_the_corpus_holds_these_entries pins the names.
+OP_NAMES = [f"nn.functional.conv{t}{n}d" for t in ("", "_transpose") for n in (1, 2, 3)]
+ERROR_OP_NAMES = [f"nn.functional.conv{n}d" for n in (1, 2, 3)]  # the ops with error_inputs_func
+MODULE_NAMES = [f"Conv{t}{n}d" for t in ("", "Transpose") for n in (1, 2, 3)]
+
+
+@functools.cache
+def _corpus() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The conv entries of OpInfo's op_db and ModuleInfo's module_db, by name."""
+    common_methods_invocations = pytest.importorskip("torch.testing._internal.common_methods_invocations")
+    common_modules = pytest.importorskip("torch.testing._internal.common_modules")
+    # importing torch.testing._internal freezes torch.backends' flags for the whole process (disable_global_flags,
+    # as PyTorch's own test runner wants); the other tests, run in the same process, set them directly: unfreeze
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    assert not torch.backends.flags_frozen()
+    ops = {op.name: op for op in common_methods_invocations.op_db if op.name.startswith("nn.functional.conv")}
+    modules = {m.module_cls.__name__: m for m in common_modules.module_db
+               if m.module_cls.__name__.startswith(("Conv", "ConvTranspose")) and hasattr(cnn, m.module_cls.__name__)}
+    return ops, modules
+
+
+def _op(name: str) -> Any:
+    return _corpus()[0][name]
+
+
+def _module(name: str) -> Any:
+    return _corpus()[1][name]
+
+
+@pytest.mark.slow
+def test_the_corpus_holds_these_entries() -> None:
+    """The names the tests are parametrised by are every conv entry of the corpus (a new one would be missed)."""
+    ops, modules = _corpus()
+    assert sorted(ops) == sorted(OP_NAMES)
+    assert sorted(n for n, op in ops.items() if op.error_inputs_func is not None) == sorted(ERROR_OP_NAMES)
+    assert sorted(modules) == sorted(MODULE_NAMES)
 
 
 def _ours(op: Any) -> Any:
@@ -81,20 +109,21 @@ def _check_op(op: Any, backend: str, limit: int | None = None) -> tuple[int, lis
     return count, failures
 
 
+@pytest.mark.slow  # its cost is the corpus's import, not the samples
 def test_a_sample_of_the_corpus() -> None:
-    """The fast tier's slice: three conv2d and conv_transpose2d samples on fwdconv, one module input."""
-    for op in OPS:
-        if op.name.endswith(("conv2d", "conv_transpose2d")):
-            count, failures = _check_op(op, "fwdconv", limit=3)
-            assert count >= 3 and not failures, failures
-    count, failures = _check_module(next(m for m in MODULES if m.module_cls.__name__ == "Conv2d"), "fwdconv", limit=1)
+    """A quick slice: three conv2d and conv_transpose2d samples on fwdconv, one module input."""
+    for name in ("nn.functional.conv2d", "nn.functional.conv_transpose2d"):
+        count, failures = _check_op(_op(name), "fwdconv", limit=3)
+        assert count >= 3 and not failures, failures
+    count, failures = _check_module(_module("Conv2d"), "fwdconv", limit=1)
     assert count >= 1 and not failures, failures
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
-def test_opinfo_samples(op: Any, backend: str) -> None:
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_opinfo_samples(name: str, backend: str) -> None:
+    op = _op(name)
     count, failures = _check_op(op, backend)
     print(f"\n{op.name} {backend}: {count} comparisons, {len(failures)} mismatched")
     assert count > 0 and not failures, failures[:10]
@@ -102,10 +131,11 @@ def test_opinfo_samples(op: Any, backend: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", [op for op in OPS if op.error_inputs_func is not None], ids=lambda op: op.name)
-def test_opinfo_error_inputs_raise(op: Any, backend: str) -> None:
+@pytest.mark.parametrize("name", ERROR_OP_NAMES)
+def test_opinfo_error_inputs_raise(name: str, backend: str) -> None:
     """Each input torch refuses is refused by convgrad too (an exception of any type: 0 escapes), except
     padding='same' with stride > 1, which convgrad defines (the TF/JAX rule; its output size is checked)."""
+    op = _op(name)
     escapes, seen, extensions = [], 0, 0
     for e in op.error_inputs("cpu"):
         s = e.sample_input
@@ -132,10 +162,11 @@ def test_opinfo_error_inputs_raise(op: Any, backend: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if get_backend(b).differentiable])
-@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
-def test_opinfo_samples_pass_batched_gradcheck(op: Any, backend: str) -> None:
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_opinfo_samples_pass_batched_gradcheck(name: str, backend: str) -> None:
     """OpInfo's test_fn_grad flags (check_batched_grad, check_grad_dtypes, check_undefined_grad, fast mode) on the
     first samples of each op."""
+    op = _op(name)
     for k, s in enumerate(_samples(op)):
         if k >= 4:
             break
@@ -192,8 +223,9 @@ def _check_module(info: Any, backend: str, limit: int | None = None) -> tuple[in
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("info", MODULES, ids=lambda m: m.module_cls.__name__)
-def test_moduleinfo_inputs(info: Any, backend: str) -> None:
+@pytest.mark.parametrize("name", MODULE_NAMES)
+def test_moduleinfo_inputs(name: str, backend: str) -> None:
+    info = _module(name)
     count, failures = _check_module(info, backend)
     print(f"\n{info.module_cls.__name__} {backend}: {count} comparisons, {len(failures)} mismatched")
     assert count > 0 and not failures, failures[:10]
