@@ -8,6 +8,7 @@ explicitly padded input (forward) or crops torch's transposed output.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import random
@@ -126,6 +127,21 @@ def reference_grads(case: Case, t: dict[str, torch.Tensor]) -> dict[str, torch.T
     grads = torch.autograd.grad(y, leaves, t["grad_output"], allow_unused=True)
     names = ["grad_input", "grad_weight", "grad_bias"]
     return {k: (torch.zeros_like(leaf) if gr is None else gr) for k, leaf, gr in zip(names, leaves, grads)}
+
+
+@functools.cache
+def _shared_reference(case: Case, dtype: torch.dtype, seed: int) -> tuple[dict[str, torch.Tensor],
+                                                                          dict[str, torch.Tensor]]:
+    t = make_tensors(case, dtype, seed=seed)
+    return t, reference_grads(case, t)
+
+
+def tensors_and_reference(case: Case, dtype: torch.dtype = torch.float64, seed: int = 0
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """make_tensors and reference_grads for the case, the reference computed once per session (a grid judges every
+    backend against the same one). The tensors are fresh copies, so what a backend does to its inputs stays there."""
+    t, ref = _shared_reference(case, dtype, seed)
+    return {k: v.clone() for k, v in t.items()}, ref
 
 
 def assert_matches_autograd(ours: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -11,6 +11,7 @@ any of this: AccumulateGrad re-lays ``.grad`` out to the parameter's layout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -134,12 +135,21 @@ PATHS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
+@functools.cache
+def _tensors_and_references(case: Case, dtype: torch.dtype, device: torch.device | str, layout: str
+                             ) -> tuple[dict[str, torch.Tensor], dict[Callable, dict[str, torch.Tensor]]]:
+    """The laid-out tensors and torch's gradients of each reference, once per session: every backend of the grid is
+    judged against the same ones (they were half the time of this module)."""
+    t = laid_out(case, make_tensors(case, dtype, device), layout)
+    return t, {ref_fn: ref_fn(case, t) for ref_fn in {ref_fn for _, ref_fn in PATHS.values()}}
+
+
 def memory_format_problems(case: Case, backend: str, dtype: torch.dtype, device: torch.device | str = "cpu"
                            ) -> list[str]:
     problems = []
     for layout in LAYOUTS:
-        t = laid_out(case, make_tensors(case, dtype, device), layout)
-        refs = {ref_fn: ref_fn(case, t) for ref_fn in {ref_fn for _, ref_fn in PATHS.values()}}
+        shared, refs = _tensors_and_references(case, dtype, device, layout)
+        t = {k: v.clone() for k, v in shared.items()}  # same strides (preserve_format); a backend gets its own copy
         for path, (ours_fn, ref_fn) in PATHS.items():
             for name, g in ours_fn(case, t, backend).items():
                 problems += [f"{path} {layout} {name}: {p}" for p in layout_problems(g, refs[ref_fn][name])]
