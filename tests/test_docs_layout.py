@@ -40,8 +40,9 @@ def legend_px_on_site(fig: Any, labels: set[str]) -> list[tuple[str, float]]:
 
 @pytest.mark.parametrize(("input_size", "weight_size", "kw"), [
     ((1, 1, 5, 5), (1, 1, 3, 3), dict(stride=2)),
-    ((3, 4, 7, 7), (2, 4, 3, 3), dict(dilation=2)),
-    ((1, 2, 6, 6), (2, 1, 3, 3), dict(stride=2, groups=2)),
+    # the slow tier draws two more pictures (each takes seconds)
+    pytest.param((3, 4, 7, 7), (2, 4, 3, 3), dict(dilation=2), marks=pytest.mark.slow),
+    pytest.param((1, 2, 6, 6), (2, 1, 3, 3), dict(stride=2, groups=2), marks=pytest.mark.slow),
 ])
 def test_picture_legends_are_10_px_as_the_site_shows_them(input_size: tuple[int, ...], weight_size: tuple[int, ...],
                                                           kw: dict[str, Any]) -> None:
@@ -148,7 +149,8 @@ def test_the_browser_check_catches_a_known_wide_block(built_site: Path, tmp_path
 
 @pytest.mark.parametrize(("input_size", "weight_size", "kw"), [
     ((1, 2, 6, 6), (2, 1, 3, 3), dict(stride=2, groups=2)),  # polyphase, two channels
-    ((1, 2, 4, 6, 6), (2, 1, 3, 3, 3), dict(stride=(1, 2, 2), groups=2)),  # phases, 3d
+    pytest.param((1, 2, 4, 6, 6), (2, 1, 3, 3, 3), dict(stride=(1, 2, 2), groups=2),  # phases, 3d
+                 marks=pytest.mark.slow),
 ])
 def test_a_picture_of_several_channels_writes_one_number_per_cell(input_size: tuple[int, ...],
                                                                   weight_size: tuple[int, ...],

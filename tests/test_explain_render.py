@@ -4,6 +4,7 @@ drawn, the pictures that once contradicted the text, animations, the HTML page, 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import re
@@ -40,6 +41,12 @@ def _recipe(name: str) -> convgrad.Recipe:
     return convgrad.explain(input_size, weight_size, **kw)
 
 
+@functools.cache
+def _frame_figures_of(name: str) -> list[tuple[render.Layout, Figure]]:
+    """The three middle frames of a configuration, drawn once per session: the tests below only read them."""
+    return _frame_figures(_recipe(name))
+
+
 def _frame_figures(recipe: convgrad.Recipe) -> list[tuple[render.Layout, Figure]]:
     out = []
     for gradient in ("forward", "grad_input", "grad_weight"):
@@ -66,10 +73,11 @@ def _cells(fig: Figure) -> list[tuple[Rectangle, float]]:
     return out
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "224" else n for n in CONFIGS],
-                         ids=str)
+# "3d" is the costliest drawing and the only one no other test shares (3d-transposed draws 3d in the fast tier)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("224", "3d") else n
+                                  for n in CONFIGS], ids=str)
 def test_frames_are_800_px_wide_with_text_of_9_px_and_cells_of_20_px(name: str) -> None:
-    for _, fig in _frame_figures(_recipe(name)):
+    for _, fig in _frame_figures_of(name):
         assert round(fig.get_size_inches()[0] * fig.dpi) == 800
         texts = [t for t in fig.findobj(Text) if t.get_text() and t.get_visible()]
         assert texts and min(t.get_fontsize() * fig.dpi / 72 for t in texts) >= 9
@@ -79,7 +87,7 @@ def test_frames_are_800_px_wide_with_text_of_9_px_and_cells_of_20_px(name: str) 
 
 @pytest.mark.parametrize("name", ["2d-groups", "2d-transposed", "1d-dilated"], ids=str)
 def test_colours_come_from_the_palette_and_stay_apart_for_colour_blind_eyes(name: str) -> None:
-    for lay, fig in _frame_figures(_recipe(name)):
+    for lay, fig in _frame_figures_of(name):
         fills = {to_hex(p.get_facecolor(), keep_alpha=False) for ax in fig.axes for p in ax.patches
                  if isinstance(p, Rectangle) and p.get_fill()}
         assert all(_okabe_ito_tint_or_grey(c) for c in fills), [c for c in fills if not _okabe_ito_tint_or_grey(c)]
@@ -129,7 +137,7 @@ def _cvd_distance(a: str, b: str, kind: str) -> float:
 
 @pytest.mark.parametrize("name", ["2d-zero-insert", "2d-groups", "3d-transposed"], ids=str)
 def test_the_legend_lists_what_is_drawn_and_only_that(name: str) -> None:
-    for lay, fig in _frame_figures(_recipe(name)):
+    for lay, fig in _frame_figures_of(name):
         legend = {f.upper() for row in render.legend_rows(lay) for f, _, _ in row if f != "none"}
         drawn = {to_hex(p.get_facecolor(), keep_alpha=False).upper() for p, side in _cells(fig) if side > 20}
         bars = {to_hex(p.get_facecolor(), keep_alpha=False).upper() for ax in fig.axes for p in ax.patches
@@ -142,7 +150,7 @@ def test_the_legend_lists_what_is_drawn_and_only_that(name: str) -> None:
 @pytest.mark.parametrize("name", ["2d-zero-insert", "2d-groups", "1d-dilated"], ids=str)
 def test_every_symbol_a_frame_uses_is_defined_once_in_its_caption(name: str) -> None:
     recipe = _recipe(name)
-    for lay, fig in _frame_figures(recipe):
+    for lay, fig in _frame_figures_of(name):
         caption = " ".join(render.caption(lay))
         words = " ".join(t.get_text() for t in fig.findobj(Text) if t.get_text() not in render.caption(lay))
         for symbol, definition in used_symbols(words):

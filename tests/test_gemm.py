@@ -59,11 +59,13 @@ def test_chunking_keeps_the_columns_under_the_cap(cap: int) -> None:
 
 
 # small enough for gradgradcheck, each with r != 0, groups, dilation or asymmetric padding
+# (the 1d and 3d ones in the slow tier: gemm has one N-d code path, and each gradgradcheck takes seconds)
 SECOND_ORDER = [
-    Case((2, 2, 9), (4, 1, 3), stride=2, dilation=2, padding=1, groups=2),
+    pytest.param(Case((2, 2, 9), (4, 1, 3), stride=2, dilation=2, padding=1, groups=2), marks=pytest.mark.slow),
     Case((1, 2, 5, 4), (2, 1, 2, 3), stride=(2, 1), padding=((1, 0), (0, 2)), groups=2),
     Case((1, 2, 3, 3), (2, 2, 3, 3), stride=2, padding=1, transposed=True, output_padding=1),
-    Case((1, 2, 3, 4, 4), (2, 1, 2, 1, 2), stride=(1, 2, 1), dilation=(1, 1, 2), groups=2),
+    pytest.param(Case((1, 2, 3, 4, 4), (2, 1, 2, 1, 2), stride=(1, 2, 1), dilation=(1, 1, 2), groups=2),
+                 marks=pytest.mark.slow),
 ]
 
 

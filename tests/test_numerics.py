@@ -47,7 +47,7 @@ def _depends(case: Case, t: dict[str, torch.Tensor], source: str, pos: int, grad
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's matmul says 0 * Inf
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("source", "value", "gradient"), POISON, ids=[f"{s}-{v}-{g}" for s, v, g in POISON])
 def test_non_finite_values_propagate(source: str, value: float, gradient: str, dtype: torch.dtype,
                                      device: torch.device) -> None:
