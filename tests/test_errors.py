@@ -16,10 +16,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import convgrad as cg
+import convgrad.numpy as cgnp
 from convgrad.backends import Backend, get_backend
 from convgrad.backends.fwdconv import plan_input_grad, plan_weight_grad
 from convgrad.errors import ConvgradError, ConvgradTypeError, ConvgradValueError, MethodRefused
@@ -161,6 +163,18 @@ ROWS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("weight-None", lambda: cg.conv(X, None), TypeError, r"conv: weight is None, but a tensor is required"),
     ("input-list", lambda: cg.conv2d([[1.0]], W), TypeError, r"conv2d: input must be a torch\.Tensor, got list"),
     ("backend-None", _bw(backend=None), TypeError, r"conv_backward: backend=None must be a string"),
+    ("nn-grad-weight_size-None", lambda: cg.conv2d_weight(X, None, GY, **KW), TypeError,
+     r"conv2d_weight: weight_size=None must be a sequence of ints"),
+    ("nn-grad-input_size-int", lambda: cg.conv2d_input(5, W, GY, **KW), TypeError,
+     r"conv2d_input: input_size=5 must be a sequence of ints"),
+    ("PerSampleGrads-None", lambda: cg.PerSampleGrads(None), TypeError,
+     r"PerSampleGrads: model must be a torch\.nn\.Module, got NoneType"),
+    ("patch-None", lambda: cg.patch(None), TypeError, r"patch: model must be a torch\.nn\.Module, got NoneType"),
+    ("unpatch-None", lambda: cg.unpatch(None), TypeError, r"unpatch: model must be a torch\.nn\.Module, got NoneType"),
+    ("numpy-input-None", lambda: cgnp.conv(None, np.ones((6, 2, 3, 3))), TypeError,
+     r"convgrad\.numpy\.conv: input is None, but a numpy\.ndarray is required"),
+    ("numpy-weight-None", lambda: cgnp.conv_backward(np.ones((2, 6, 4, 4)), np.ones((2, 4, 9, 9)), None), TypeError,
+     r"convgrad\.numpy\.conv_backward: weight is None, but a numpy\.ndarray is required"),
     # bias_sizes
     ("bias_sizes-mismatch", _bw(bias_sizes=[5]), ValueError,
      r"conv_backward: bias_sizes=\[5\] must be None or \[out_channels\]=\[6\]"),

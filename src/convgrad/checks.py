@@ -18,8 +18,8 @@ from convgrad.spec import ConvSpec, ntuple
 if TYPE_CHECKING:
     from convgrad.backends import Backend
 
-__all__ = ["check_grad_output", "check_same_kind", "check_size", "check_tensor", "check_tensors", "check_untraced",
-           "transformed"]
+__all__ = ["check_grad_output", "check_module", "check_same_kind", "check_size", "check_tensor", "check_tensors",
+           "check_untraced", "transformed"]
 
 
 def check_tensor(fn: str, name: str, t: Any, *, complex_ok: bool = True) -> torch.Tensor:
@@ -92,6 +92,17 @@ def check_untraced(fn: str, backend: Backend, tensors: dict[str, torch.Tensor], 
             f"{tracked[0]}.requires_grad=True: the gradients would come back silently detached from "
             f"the graph; pass detached tensors, call it under torch.no_grad(), or use one of "
             f"{traceable_names()}")
+
+
+def check_module(fn: str, model: Any) -> torch.nn.Module:
+    """``model`` itself when it is a ``torch.nn.Module``.
+
+    Raises:
+        TypeError: anything else (None, a function, a list of layers), named with its type.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConvgradTypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+    return model
 
 
 def check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:

@@ -302,11 +302,12 @@ def _make_nn_grad(n: int) -> tuple[Any, Any]:
     def input_fn(input_size: Sequence[int], weight: torch.Tensor, grad_output: torch.Tensor, stride: IntOrTuple = 1,
                  padding: PaddingArg = 0, dilation: IntOrTuple = 1, groups: int = 1) -> torch.Tensor:
         _nd(f"conv{n}d_input", n, "weight", tuple(getattr(weight, "shape", ())))
+        check_size(f"conv{n}d_input", "input_size", input_size)
         return conv_input_grad(input_size, weight, grad_output, stride, padding, dilation, groups)
 
     def weight_fn(input: torch.Tensor, weight_size: Sequence[int], grad_output: torch.Tensor, stride: IntOrTuple = 1,
                   padding: PaddingArg = 0, dilation: IntOrTuple = 1, groups: int = 1) -> torch.Tensor:
-        _nd(f"conv{n}d_weight", n, "weight_size", tuple(weight_size))
+        _nd(f"conv{n}d_weight", n, "weight_size", check_size(f"conv{n}d_weight", "weight_size", weight_size))
         return conv_weight_grad(input, weight_size, grad_output, stride, padding, dilation, groups)
 
     for f, kind, what in ((input_fn, "input", "grad_input"), (weight_fn, "weight", "grad_weight")):

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from convgrad.autograd import SCRIPT_UNSUPPORTED, CallMemo, _apply, _memoised, shape_of
 from convgrad.backends import get_backend
+from convgrad.checks import check_module
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad
@@ -295,7 +296,8 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
         ``model`` itself.
 
     Raises:
-        ValueError, TypeError: an unknown backend; an uninitialised lazy conv module.
+        ValueError, TypeError: an unknown backend; an uninitialised lazy conv module; ``model`` not a
+            ``torch.nn.Module``.
 
     Source: DESIGN.md, "Public API".
 
@@ -311,6 +313,7 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
         True
     """
     get_backend(backend, "patch")
+    check_module("patch", model)
     for name, module in model.named_modules():
         if not isinstance(module, _TORCH_CONVS):
             continue
@@ -334,7 +337,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         model: any ``torch.nn.Module``.
 
     Returns:
-        ``model`` itself; it raises nothing.
+        ``model`` itself.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
 
     Source: DESIGN.md, "Public API".
 
@@ -344,7 +350,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         >>> type(m), hasattr(m, "backend")
         (<class 'torch.nn.modules.conv.ConvTranspose1d'>, False)
     """
-    for module in model.modules():
+    for module in check_module("unpatch", model).modules():
         inner, outer = _layers(module)
         original = vars(inner).get("_convgrad_patched_from")
         if original is None:

@@ -1,6 +1,6 @@
 """Convolutions and their gradients in NumPy alone: N-d, every hyperparameter, transposed; no torch.
 
-Contractions, per group g (forward geometry of spec.py; x: big side, y: small side;
+Contractions, per group g (forward geometry of spec/geometry.py; x: big side, y: small side;
 A = C_y/g, B = (C_x/g)*T with T = prod(k) taps, M = N*P with P = prod(o) positions):
     cols        sliding_window_view(x_pad)[..., ::s, ::d] -> [g, B, M]          (im2col, one copy)
     y           einsum('gab,gbm->gam', w, cols)        [g, A, B] @ [g, B, M]   (forward conv; grad of y)
@@ -283,12 +283,15 @@ def _pad(a: Array, pairs: Sequence[tuple[int, int]]) -> Array:
 
 # ---- checks -------------------------------------------------------------------------------------------------------
 
-def _check_arrays(fn: str, **arrays: Any) -> None:
-    """Each argument is an ndarray of float32 or float64, all of one dtype."""
+def _check_arrays(fn: str, optional: tuple[str, ...] = ("bias",), **arrays: Any) -> None:
+    """Each argument is an ndarray of float32 or float64, all of one dtype; only those named in ``optional`` may be
+    None."""
     first = None
     for name, a in arrays.items():
-        if a is None:
+        if a is None and name in optional:
             continue
+        if a is None:
+            raise ConvgradTypeError(f"{fn}: {name} is None, but a numpy.ndarray is required")
         if not isinstance(a, np.ndarray):
             raise ConvgradTypeError(f"{fn}: {name} must be a numpy.ndarray, got {type(a).__name__}")
         if a.dtype not in DTYPES:

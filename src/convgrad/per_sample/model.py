@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from convgrad.checks import check_module
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.per_sample import distributed
 from convgrad.per_sample.methods import one_layer, sq_norms
@@ -130,8 +131,7 @@ class PerSampleGrads:
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", norms_only: bool = False) -> None:
         fn = "PerSampleGrads"
-        if not isinstance(model, nn.Module):
-            raise ConvgradTypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+        check_module(fn, model)
         if loss_reduction not in ("sum", "mean"):
             raise ConvgradValueError(f"{fn}: loss_reduction={loss_reduction!r} must be 'sum' or 'mean'")
         if not isinstance(norms_only, bool):
