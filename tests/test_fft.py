@@ -1,5 +1,5 @@
 """The fft backend: normwise float64 agreement on the grid and on large kernels, gradcheck/gradgradcheck, complex,
-half precision, chunking, its geometry in spec.py, and auto's pruning."""
+half precision, chunking, its geometry in spec/ (ConvSpec.fft_chunks), and auto's pruning."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The fwdconv plans: which formulation the rules pick, that every formulation matches autograd, and forward ops only.
 
-Covers the polyphase geometry of spec.py (empty phases, gcd(s, d) > 1, d not dividing s, phases
+Covers the polyphase geometry of spec/formulation.py (empty phases, gcd(s, d) > 1, d not dividing s, phases
 whose window lies in the padding, 3d), every forced method on the whole grid, channels_last,
 double backward through each formulation, and a TorchDispatchMode proof that fwdconv never runs
 aten.convolution_backward nor a transposed aten.convolution.

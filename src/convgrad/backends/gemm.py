@@ -1,6 +1,6 @@
 """The gemm backend: im2col (an N-d unfold) and batched matrix products, the Caffe / THNN way.
 
-Contractions, per group g (forward geometry of spec.py; x: big side, y: small side;
+Contractions, per group g (forward geometry of spec/geometry.py; x: big side, y: small side;
 A = C_y/g, B = (C_x/g)*T with T = prod(k) taps, M = N*P with P = prod(o) positions):
     columns     x_pad [N, C_x, *x_read] -> cols [g, B, M]   (dilated windows, stride s; a copy)
     grad of w   y [g, A, M] x cols^T [g, M, B]     -> [g, A, B] = (C_y, C_x/g, *k)
