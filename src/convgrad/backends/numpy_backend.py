@@ -1,5 +1,7 @@
 """The numpy backend: torch CPU tensors in, ``convgrad.numpy`` computes, tensors out.
 
+Named ``numpy_backend`` so that ``convgrad.numpy``, the NumPy path it calls, has the one module of that name.
+
 Contraction: that of ``convgrad.numpy`` (im2col and one matmul per group). The
 tensors are viewed as arrays without a copy (``Tensor.numpy()``) and the results
 are wrapped back with ``torch.from_numpy``. NumPy sees no autograd graph, so this
