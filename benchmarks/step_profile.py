@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import first_step
 
 import convgrad as cg
-import convgrad.autograd as cg_autograd
+import convgrad.autograd.function as cg_autograd  # the main Function reads native_forward from here
 from convgrad.backends import auto, get_backend
 from convgrad.spec import ConvSpec
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import convgrad as cg
-from convgrad import autograd
+from convgrad.autograd import calls
 from convgrad.backends import auto, get_backend
 from convgrad.spec import ConvSpec
 from convgrad.tuning import store as auto_cache
@@ -83,7 +83,7 @@ def test_shortcut_is_torch_s_convolution_bitwise(monkeypatch: pytest.MonkeyPatch
     ours = _run(_cg_call(ws, transposed, kw, backend), x, w, b)
     assert TORCH_NODE in ours[1] and OUR_NODE not in ours[1]
     want = _run(_torch_call(ws, transposed, kw), x, w, b)
-    monkeypatch.setattr(autograd, "_native_throughout", lambda *a: False)  # the Function, native inside
+    monkeypatch.setattr(calls, "native_throughout", lambda *a: False)  # the Function, native inside
     function = _run(_cg_call(ws, transposed, kw, backend), x, w, b)
     assert OUR_NODE in function[1]
     for other in (want, function):
@@ -270,7 +270,7 @@ def test_a_call_runs_no_import_statement(monkeypatch: pytest.MonkeyPatch) -> Non
     """Dynamo traces an import statement inside a compiled call (importlib's posix.stat, with a warning); convgrad's
     ExpandedWeight lookup ran one on every call, and two torch._dynamo.explain calls with a reset then left 8 more
     captured tracebacks alive than torch's conv_transpose2d (a process hung at exit releasing one). Mutant: the
-    lookup back inside _expanded_weight_type (an import per call) fails this."""
+    lookup back inside autograd.expanded.expanded_weight_type (an import per call) fails this."""
     import builtins
 
     x, w = torch.randn(1, 2, 5, 5), torch.randn(2, 3, 3, 3)

@@ -23,7 +23,9 @@ import torch
 import torch.nn.utils.parametrize as parametrize
 from torch import Tensor
 
-from convgrad.autograd import SCRIPT_UNSUPPORTED, CallMemo, _apply, _memoised, shape_of
+from convgrad.autograd.calls import apply
+from convgrad.autograd.function import SCRIPT_UNSUPPORTED, shape_of
+from convgrad.autograd.shortcut import CallMemo, memoised
 from convgrad.backends import get_backend
 from convgrad.checks import check_module
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
@@ -84,7 +86,7 @@ class _ConvgradMixin:
         memo = self.__dict__.get("_convgrad_memo")
         if memo is not None and self.padding_mode == "zeros":  # the last call's validation serves this one
             hyper = (self.stride, self.padding, self.dilation, False, 0, self.groups, self.backend)
-            out = _memoised(memo, input, weight, bias, hyper, self.backend)
+            out = memoised(memo, input, weight, bias, hyper, self.backend)
             if out is not None:
                 return out
         name, padding = self._name(), self.padding
@@ -96,7 +98,7 @@ class _ConvgradMixin:
             padding = 0
         if memo is None:
             memo = self.__dict__["_convgrad_memo"] = CallMemo()
-        return _apply(name, input, weight, bias, self.stride, padding, self.dilation, False, 0, self.groups,
+        return apply(name, input, weight, bias, self.stride, padding, self.dilation, False, 0, self.groups,
                       self.backend, memo if self.padding_mode == "zeros" else None)
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
@@ -112,7 +114,7 @@ class _ConvgradMixin:
         n = len(self.kernel_size)
         output_padding = self._output_padding(  # type: ignore[attr-defined]  # torch's rule and its errors
             input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation)
-        return _apply(name, input, self.weight, self.bias, self.stride, self.padding, self.dilation, True,
+        return apply(name, input, self.weight, self.bias, self.stride, self.padding, self.dilation, True,
                       output_padding, self.groups, self.backend)
 
     def __prepare_scriptable__(self) -> Any:
@@ -245,7 +247,7 @@ _TORCH_CONVS = tuple(_DROP_IN)
 # ---- patch / unpatch ------------------------------------------------------------------------------------------
 
 @functools.cache
-def _patched_class(original: type) -> type:
+def patched_class(original: type) -> type:
     """``original`` with the mixin inserted right above its torch base (after any user subclass)."""
     torch_base = next(c for c in original.__mro__ if c in _DROP_IN)
     bases = (_DROP_IN[torch_base],) if original is torch_base else (original, _DROP_IN[torch_base])
@@ -255,7 +257,7 @@ def _patched_class(original: type) -> type:
 
 def _new_patched(original: type) -> Any:
     """Unpickling helper: an empty instance of the patched class of ``original``."""
-    cls = _patched_class(original)
+    cls = patched_class(original)
     return cls.__new__(cls)
 
 
@@ -323,7 +325,7 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
                 f"run one forward pass before patching")
         if not isinstance(module, _ConvgradMixin):
             inner, outer = _layers(module)
-            _set_class(module, _patched_class(inner), outer)
+            _set_class(module, patched_class(inner), outer)
         module.backend = backend
     return model
 

@@ -53,7 +53,7 @@ def _module_types() -> list[type]:
 
     torch_convs = [nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d]
     ours = [cgnn.Conv1d, cgnn.Conv2d, cgnn.Conv3d, cgnn.ConvTranspose1d, cgnn.ConvTranspose2d, cgnn.ConvTranspose3d]
-    return torch_convs + ours + [cgnn._patched_class(t) for t in torch_convs]
+    return torch_convs + ours + [cgnn.patched_class(t) for t in torch_convs]
 
 
 def _rule(module: nn.Module, activations: list[torch.Tensor], backprops: torch.Tensor) -> ConvLayer:

@@ -6,7 +6,7 @@ Contraction: that of ``convgrad.numpy`` (im2col and one matmul per group). The
 tensors are viewed as arrays without a copy (``Tensor.numpy()``) and the results
 are wrapped back with ``torch.from_numpy``. NumPy sees no autograd graph, so this
 backend is not differentiable: a second derivative through it, a torch.func transform, or
-``conv_backward`` on tensors that require grad raise (functional.py, autograd.py). CUDA (any
+``conv_backward`` on tensors that require grad raise (functional.py, autograd/). CUDA (any
 non-CPU) tensors and dtypes other than float32/float64 raise clear errors at the first call.
 """
 

@@ -1,0 +1,114 @@
+"""The native shortcut: where the main Function would run nothing but torch's convolution, torch's convolution with
+its own autograd node; and ``CallMemo``, a convgrad module's memo of its last validated call (docs in each name)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from convgrad.autograd import function
+from convgrad.backends.auto import changes as auto_changes
+from convgrad.backends.auto import fixed as auto_fixed
+from convgrad.backends.auto import settled_native as auto_settled_native
+from convgrad.spec import ConvSpec
+
+__all__ = ["PARAMETER_TYPES", "CallMemo", "auto_state", "drop_weight_gradient", "memo_key", "memoised",
+           "native_throughout", "torch_conv"]
+
+
+def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> bool:
+    """Whether ConvFunction would compute nothing but torch's own convolution here: its forward and every gradient
+    native (backend="native"; "auto" when fixed, or settled on native for this call), on operands torch's own
+    autograd handles the same way. Then torch's convolution runs with its own autograd node (``torch_conv``): the
+    same kernels, values and layouts, without a Python Function's cost per call (a bare one costs about half a
+    plain convolution's forward and backward on small layers).
+
+    Through the Function stay: other backends; complex (aten has no complex kernels); per-side padding; layouts
+    other than contiguous (native retries torch's "must be contiguous" refusals on copies); grad_weight skipped
+    by ``no_weight_gradients`` in the forward's scope (a node hook honours a backward in the scope); torch.jit's
+    tracer (a trace records the Function, so that no_weight_gradients still acts on the traced graph).
+    """
+    if backend == "native":
+        pass
+    elif backend != "auto":
+        return False
+    if (function.weight_gradients_disabled or input.is_complex() or not spec.is_symmetric or not input.is_contiguous()
+            or not weight.is_contiguous() or torch.jit.is_tracing()):
+        return False
+    if backend == "native" or auto_fixed():
+        return True
+    grad = torch.is_grad_enabled()
+    return auto_settled_native(spec, input, weight, grad and input.requires_grad, grad and weight.requires_grad)
+
+
+def drop_weight_gradient(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Post-hook of a ``torch_conv`` node: a backward inside ``no_weight_gradients`` gives the weight nothing."""
+    if not function.weight_gradients_disabled:
+        return None
+    return (grad_inputs[0], None, *grad_inputs[2:])
+
+
+def torch_conv(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                args: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """torch's convolution with its own autograd node (see ``native_throughout``); ``args``: spec.aten_args."""
+    batched = input.unsqueeze(0) if spec.unbatched else input  # (N, C_in, *i)
+    out = torch.convolution(batched, weight, bias, *(spec.aten_args if args is None else args))  # (N, C_out, *o)
+    if weight.requires_grad and out.grad_fn is not None:
+        out.grad_fn.register_hook(drop_weight_gradient)
+    return out.squeeze(0) if spec.unbatched else out  # (C_out, *o) unbatched
+
+
+PARAMETER_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+class CallMemo:
+    """What one call site (a convgrad module) validated on its last call that took torch's own convolution: the
+    next call with the same operands' shapes, dtypes and devices, the same hyperparameter objects and backend, and
+    an unchanged state of auto's choices, runs torch's convolution without validating again."""
+
+    __slots__ = ("args", "auto", "hyper", "key", "spec")
+    # set together with key, when a call is memoised (annotations only: the slots hold them)
+    args: tuple[Any, ...]
+    auto: tuple[Any, ...] | None
+    hyper: tuple[Any, ...]
+    spec: ConvSpec
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:  # a copy or an unpickled module validates afresh
+        return CallMemo, ()
+
+
+def memo_key(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """The operands' shapes, dtypes and devices; None where the memo must not serve (subclasses: ExpandedWeight,
+    fake and traced tensors; layouts other than contiguous)."""
+    if (type(input) is not torch.Tensor or type(weight) not in PARAMETER_TYPES
+            or (bias is not None and type(bias) not in PARAMETER_TYPES)
+            or not input.is_contiguous() or not weight.is_contiguous()):
+        return None
+    return (input.shape, input.dtype, input.device, weight.shape, weight.dtype, weight.device,
+            None if bias is None else (bias.shape, bias.dtype, bias.device))
+
+
+def auto_state(backend: str) -> tuple[Any, ...] | None:
+    """What a memoised answer of ``settled_native`` depends on, beyond the call: None where it does not apply."""
+    if backend != "auto" or auto_fixed():
+        return None
+    return auto_changes(), torch.get_num_threads()
+
+
+def memoised(memo: CallMemo, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              hyper: tuple[Any, ...], backend: str) -> torch.Tensor | None:
+    """torch's convolution when the memo serves this call, else None."""
+    if (memo.key is None or function.weight_gradients_disabled or torch._C._is_any_autocast_enabled()
+            or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+        return None
+    if (not all(map(operator.is_, memo.hyper, hyper)) or memo_key(input, weight, bias) != memo.key
+            or (backend == "auto" and auto_state(backend) != memo.auto)):
+        return None
+    return torch_conv(memo.spec, input, weight, bias, memo.args)
+
