@@ -29,6 +29,8 @@ __all__ = ["SCRIPT_UNSUPPORTED", "ConvCore", "ConvFunction", "check_differentiat
 # that lookup runs (pkgutil's posix.stat, with a warning), and they left captured tracebacks alive (issue 25, item 8)
 backend_names()
 
+# open no_weight_gradients scopes: written only there, read elsewhere as function.weight_gradients_disabled (a
+# module attribute, like the global it was, so Dynamo guards it the same way)
 weight_gradients_disabled = 0
 
 # TorchScript cannot compile a Python autograd.Function, so no convgrad convolution can be scripted
