@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
 from convgrad.cli import add_conv_arguments, parse_shape, shapes_as_typed
 from convgrad.errors import ConvgradValueError
+from convgrad.explain.recipe import EXPLAIN_INPUT_METHODS, EXPLAIN_WEIGHT_METHODS, METHODS
 
 __all__ = ["add_arguments", "check_outputs", "run"]
 
@@ -39,11 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", metavar="PATH", help="save a self-contained page: frames with a slider, the "
                                                         "recipe and its PyTorch script")
     parser.add_argument("--max-frames", type=int, default=120, help="frames in --animate/--html (default 120)")
-    methods = ", ".join(INPUT_METHODS + WEIGHT_METHODS)
+    methods = ", ".join(METHODS)
     parser.add_argument("--method", help=f"a formulation to show, for whichever gradient has it ({methods})")
-    parser.add_argument("--input-method", choices=INPUT_METHODS,
+    parser.add_argument("--input-method", choices=EXPLAIN_INPUT_METHODS,
                         help="the formulation of x from y: grad_input, or a transposed conv's own forward")
-    parser.add_argument("--weight-method", choices=WEIGHT_METHODS, help="the formulation of grad_weight")
+    parser.add_argument("--weight-method", choices=EXPLAIN_WEIGHT_METHODS, help="the formulation of grad_weight")
 
 
 def _dtype(name: str) -> Any:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from convgrad.backends import fwdconv
+from convgrad.backends import fft, fwdconv
 from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
 from convgrad.errors import ConvgradValueError, MethodRefused
+from convgrad.explain import fft_view
 from convgrad.explain.kernel_choice import NativeChoice, native_backend
 from convgrad.explain.symbols import used_symbols
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, Shape
@@ -35,6 +36,11 @@ if TYPE_CHECKING:
     from convgrad.explain.frames import Scene
 
 __all__ = ["Leftover", "NativeChoice", "Recipe", "RecipeStep", "explain", "native_backend"]
+
+# the formulations explain shows: fwdconv's, and the fft backend's for either gradient
+EXPLAIN_INPUT_METHODS = (*INPUT_METHODS, fft_view.METHOD)
+EXPLAIN_WEIGHT_METHODS = (*WEIGHT_METHODS, fft_view.METHOD)
+METHODS = (*INPUT_METHODS, *WEIGHT_METHODS, fft_view.METHOD)
 
 
 
@@ -152,6 +158,8 @@ class Recipe:
         if gradient not in plans:
             raise ConvgradValueError(
                 f"Recipe.scene: gradient={gradient!r} must be 'forward', 'grad_input' or 'grad_weight'")
+        if fft_view.is_fft(plans[gradient]):
+            raise fft_view.frames_refused("Recipe.scene", gradient)
         return scene(self.spec, gradient, plans[gradient], self.input_method, self.weight_method)
 
     def steps(self, gradient: str) -> list[RecipeStep]:
@@ -174,8 +182,9 @@ class Recipe:
         s = self.spec
         shown = f"{s.output_shape[1:]} (unbatched; the steps below run it as a batch of 1)" if s.unbatched \
             else f"{s.output_shape}"
-        lines = [s.describe(), f"grad_output shape {shown}; every gradient below uses forward ops only "
-                               "(convgrad's fwdconv backend runs exactly these steps)"]
+        how = "the fwdconv backend's forward ops or the fft backend's steps" if self._fft() else "forward ops only"
+        lines = [s.describe(), f"grad_output shape {shown}; every gradient below uses {how} "
+                               "(convgrad's backend runs exactly these steps)"]
         starts = self._start_shapes()
         for name, plan in self.plans.items():
             lines += ["", *self._plan_lines(name, plan, starts)]
@@ -192,7 +201,14 @@ class Recipe:
         symbols = used_symbols(text)
         return "\n".join([text, "", "symbols:", *(f"   {name:<15} {definition}" for name, definition in symbols)])
 
+    def _fft(self) -> list[str]:
+        """The computations planned by the fft backend."""
+        plans = {**self.plans, "forward": self.forward_plan}
+        return [g for g, p in plans.items() if fft_view.is_fft(p)]
+
     def _plan_lines(self, name: str, plan: Any, starts: dict[str, Shape]) -> list[str]:
+        if fft_view.is_fft(plan):
+            return fft_view.plan_lines(name, plan, starts)
         data, kernel = getattr(plan, "data", "data"), getattr(plan, "kernel", "kernel")
         method = getattr(plan, "method", "")
         why = f" [{method}: {plan.reason}]" if getattr(plan, "reason", "") else f" [{method}]" if method else ""
@@ -251,6 +267,8 @@ class Recipe:
             >>> round(fig.get_size_inches()[0] * fig.dpi)  # pixels wide
             800
         """
+        if any(g in self._fft() for g in gradients):
+            return fft_view.plot(self.spec, self.plans, tuple(gradients), path)
         from convgrad.explain.picture import plot
 
         return plot(self.scene, path, tuple(gradients))
@@ -285,6 +303,7 @@ class Recipe:
         """
         if Path(path).suffix.lower() == ".html":
             return self.to_html(path, gradients, max_frames)
+        self._refuse_frames("Recipe.animate", gradients)
         from convgrad.explain.animation import animate
 
         return animate(self.scene, Path(path), tuple(gradients), max_frames, fps)
@@ -312,30 +331,47 @@ class Recipe:
             >>> "http" in cg.explain((1, 1, 4), (1, 1, 3)).to_html(out, max_frames=3).read_text()
             False
         """
+        self._refuse_frames("Recipe.to_html", gradients)
         from convgrad.explain.html import to_html
 
         return to_html(self.scene, Path(path), tuple(gradients), max_frames, self.spec.describe(), str(self),
                        self.to_python())
 
 
+    def _refuse_frames(self, fn: str, gradients: Sequence[str]) -> None:
+        for gradient in gradients:
+            if gradient in self._fft():
+                raise fft_view.frames_refused(fn, gradient)
+
+
 def _methods(method: str | None, input_method: str | None, weight_method: str | None) -> tuple[str | None, str | None]:
     """method=NAME applies NAME to whichever gradient has it; the explicit ones must name their own list."""
+    if method == fft_view.METHOD:  # both gradients have it
+        for name, given in (("input_method", input_method), ("weight_method", weight_method)):
+            if given not in (None, method):
+                raise ConvgradValueError(f"explain: method={method!r} and {name}={given!r} disagree; give one of them")
+        return method, method
     if method is not None:
         if method not in INPUT_METHODS + WEIGHT_METHODS:
             raise ConvgradValueError(
-                f"explain: method={method!r} must be None or one of {INPUT_METHODS + WEIGHT_METHODS}")
+                f"explain: method={method!r} must be None or one of {METHODS}")
         name, given = ("input_method", input_method) if method in INPUT_METHODS else ("weight_method", weight_method)
         if given not in (None, method):
             raise ConvgradValueError(f"explain: method={method!r} and {name}={given!r} disagree; give one of them")
         input_method, weight_method = (method, weight_method) if name == "input_method" else (input_method, method)
-    if input_method is not None and input_method not in INPUT_METHODS:
-        raise ConvgradValueError(f"explain: input_method={input_method!r} must be None or one of {INPUT_METHODS}")
-    if weight_method is not None and weight_method not in WEIGHT_METHODS:
-        raise ConvgradValueError(f"explain: weight_method={weight_method!r} must be None or one of {WEIGHT_METHODS}")
+    if input_method is not None and input_method not in EXPLAIN_INPUT_METHODS:
+        raise ConvgradValueError(
+            f"explain: input_method={input_method!r} must be None or one of {EXPLAIN_INPUT_METHODS}")
+    if weight_method is not None and weight_method not in EXPLAIN_WEIGHT_METHODS:
+        raise ConvgradValueError(
+            f"explain: weight_method={weight_method!r} must be None or one of {EXPLAIN_WEIGHT_METHODS}")
     return input_method, weight_method
 
 
 def _plan(build: Any, spec: ConvSpec, method: str | None, name: str) -> Any:
+    if method == fft_view.METHOD:  # the fft backend's plan of the same result
+        gradient = {"plan_forward": "output", "plan_input_grad": "grad_input"}.get(build.__name__, "grad_weight")
+        return fft.plan(spec, gradient)
     try:  # no method: the very call (and lru_cache entry) the backend uses, so the plan is the object it runs
         return build(spec) if method is None else build(spec, method)
     except MethodRefused as err:  # the refusal's own reason, not its message's text
@@ -400,7 +436,8 @@ def explain(
     input_method, weight_method = _methods(method, input_method, weight_method)
     x_from_y = fwdconv.plan_forward if spec.transposed else fwdconv.plan_input_grad
     x_plan = _plan(x_from_y, spec, input_method, "input_method")
-    input_plan = fwdconv.plan_input_grad(spec) if spec.transposed else x_plan
+    input_plan = (fft.plan(spec, "grad_input") if input_method == fft_view.METHOD else
+                  fwdconv.plan_input_grad(spec)) if spec.transposed else x_plan
     forward_plan = x_plan if spec.transposed else fwdconv.plan_forward(spec)
     weight_plan = _plan(fwdconv.plan_weight_grad, spec, weight_method, "weight_method")
     return Recipe(spec, input_plan, weight_plan, forward_plan, input_method, weight_method)

@@ -1,0 +1,153 @@
+"""explain's view of the fft backend's plans (backends/fft/plans.py): text, script lines and a picture.
+
+The fft plans compute a gradient as pad -> (phases) -> transform -> product per frequency bin -> inverse -> crop.
+Their text and script come from the plan's own steps (``FftStep.describe()``, ``FftPlan.code()``). The picture
+is drawn from the plan's numbers, not from frames: a frequency bin mixes every input cell with every kernel
+cell, so there is no "which cells feed this output cell" geometry to draw per step. What it shows, per
+spatial dim of one phase: the transform grid of L rows, the rows holding data and the zero rows the
+transform pads (the circular correlation wraps zeros onto zeros), the kernel's slots, and the rows the crop
+keeps. Animation and pages (frames) refuse fft plans (``frames_refused``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convgrad.backends.fft import FftPlan
+from convgrad.errors import MethodRefused
+from convgrad.spec import ConvSpec, Shape
+
+__all__ = ["METHOD", "code_lines", "frames_refused", "is_fft", "plan_lines", "plot", "text_steps"]
+
+METHOD = "fft"
+# cell kinds of the picture, in colour order
+ZERO, DATA, KEPT, DROPPED = 0, 1, 2, 3
+COLOURS = ("#f2f2f2", "#4c78a8", "#54a24b", "#d9d9d9")
+
+
+def is_fft(plan: Any) -> bool:
+    """Whether ``plan`` is one of the fft backend's plans."""
+    return isinstance(plan, FftPlan)
+
+
+def frames_refused(fn: str, gradient: str) -> MethodRefused:
+    """The error for frames (animation, page, ``Recipe.scene``) of an fft plan."""
+    return MethodRefused(fn, METHOD, f"has no frames for {gradient}: a frequency bin mixes every data cell with "
+                         "every kernel cell, so no result cell reads a window of cells; Recipe.plot draws the "
+                         "padded operands, the transform size and the crop instead", param="method")
+
+
+def _names(plan: FftPlan) -> dict[str, str]:
+    """The recipe's tensors each fft operand is: x, y (the big and the small side of the correlation), w."""
+    big, small = ("grad_output", "input") if plan.spec.transposed else ("input", "grad_output")
+    return {"x": big, "y": small, "w": "weight"}
+
+
+def operands(plan: FftPlan) -> tuple[str, str]:
+    """(data, kernel): the two tensors the plan combines, as the recipe names them."""
+    names = _names(plan)
+    return {"y_from_x": (names["x"], "weight"), "x_from_y": (names["y"], "weight"),
+            "w_from_xy": (names["x"], names["y"])}[plan.kind]
+
+
+def text_steps(plan: FftPlan) -> list[tuple[str, str, Shape]]:
+    """(name, description, shape after it) of every step, in order."""
+    return [(s.name, s.describe(), tuple(s.shape)) for s in plan.steps]
+
+
+def plan_lines(name: str, plan: FftPlan, starts: dict[str, Shape]) -> list[str]:
+    """The recipe text of one fft plan: what it combines, the transform size, then its steps."""
+    data, kernel = operands(plan)
+    shape = tuple(plan.steps[-1].shape)
+    lines = [f"{name} {shape} = correlation of {data} and {kernel} by the convolution theorem [fft: transform "
+             f"length L = {plan.sizes}, {plan.phase_count} phase(s), chunks of (groups, samples) {plan.chunks}]:",
+             f"       {data:<12} {starts[data]}", f"       {kernel:<12} {starts[kernel]}"]
+    if plan.spec.batch == 0:
+        lines.append("   the sum is empty (batch 0): zeros")
+    lines += [f"   {n:>2}. {text}" for n, (_, text, _) in enumerate(text_steps(plan), 1)]
+    return lines
+
+
+def code_lines(plan: FftPlan, out: str) -> list[str]:
+    """The script lines computing one gradient into ``out`` with the plan's own step lines (``FftPlan.code``)."""
+    shape = tuple(plan.steps[-1].shape)
+    lines = [f"# {plan.gradient}: fft ({plan.kind}), transform length L = {plan.sizes}"]
+    if plan.spec.batch == 0:
+        return [*lines, f"{out} = grad_output.new_zeros({shape})  # empty sum (batch 0)"]
+    names = _names(plan)
+    reads = {"y_from_x": ("x", "w"), "x_from_y": ("y", "w"), "w_from_xy": ("x", "y")}[plan.kind]
+    lines += [f"{v} = {names[v]}" for v in reads]
+    return [*lines, *plan.code(), f"{out} = out  # {shape}"]
+
+
+def _dim_rows(plan: FftPlan, j: int) -> tuple[list[int], list[int], list[int]]:
+    """Per spatial dim j, for the first live phase, the kinds of the L rows of: the data, the kernel, the result."""
+    spec, d = plan.spec, plan.dims[j]
+    size, s, phi = d.size, spec.stride[j], d.phases[0]
+    lo = d.transform_pads[0]
+    x_real = [DATA if lo <= r * s + phi < lo + spec.x_size[j] else ZERO for r in range(size)]
+    held = {slot for slot in d.slots if 0 <= slot < d.taps}  # the first phase's slots that hold a tap
+    taps = [DATA if r in held else ZERO for r in range(size)]
+    o = spec.y_size[j]
+    y_rows = [DATA if r < o else ZERO for r in range(size)]
+    if plan.kind == "y_from_x":
+        return x_real, taps, [KEPT if r < o else DROPPED for r in range(size)]
+    if plan.kind == "x_from_y":
+        return y_rows, taps, [KEPT if k == DATA else DROPPED for k in x_real]
+    return x_real, y_rows, [KEPT if r < d.taps else DROPPED for r in range(size)]
+
+
+def _grid(rows: list[list[int]]) -> np.ndarray:
+    """The 2d picture of per-dim row kinds: a cell is the lowest kind of its two rows (zero beats data)."""
+    if len(rows) == 1:
+        return np.array([rows[0]])
+    a, b = np.array(rows[-2]), np.array(rows[-1])
+    both = np.minimum(a[:, None], b[None, :])
+    keep = (a[:, None] == KEPT) & (b[None, :] == KEPT)
+    return np.where(both >= KEPT, np.where(keep, KEPT, DROPPED), both)
+
+
+_TITLES = {"y_from_x": ("x (its phase) on the L grid", "flipped kernel slots", "y: the crop keeps the first o rows"),
+           "x_from_y": ("y on the L grid", "kernel slots", "x (this phase): kept rows, the pads cropped"),
+           "w_from_xy": ("x (its phase) on the L grid", "y, reversed in the product", "w: the crop keeps Q slots")}
+
+
+def plot(spec: ConvSpec, plans: dict[str, Any], gradients: tuple[str, ...], path: str | Path | None = None) -> Any:
+    """The fft picture: per fft gradient, the data, the kernel and the result on one phase's transform grid."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    shown = [g for g in gradients if is_fft(plans[g])]
+    height = 1.3 + (3.0 if spec.n > 1 else 1.6) * len(shown)  # inches: title and legend, then a row per gradient
+    fig = Figure(figsize=(8, height), dpi=100)
+    cmap = ListedColormap(COLOURS)
+    for row, gradient in enumerate(shown):
+        plan: FftPlan = plans[gradient]
+        dims = [_dim_rows(plan, j) for j in range(spec.n)]
+        for col in range(3):
+            ax = fig.add_subplot(len(shown), 3, row * 3 + col + 1)
+            ax.imshow(_grid([d[col] for d in dims]), cmap=cmap, vmin=0, vmax=3,
+                      aspect="equal" if spec.n > 1 else "auto", interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(_TITLES[plan.kind][col], fontsize=8)
+            if col == 0:
+                ax.set_ylabel(f"{gradient}\nL = {plan.sizes}", fontsize=8)
+            if col == 1:  # the steps under the middle panel
+                steps = " -> ".join(s.name for s in plan.steps)
+                ax.set_xlabel(f"{steps}\nper bin one product (a matmul over the channels of each of {spec.groups} "
+                              f"group(s)); {plan.phase_count} phase(s), each on its own L grid", fontsize=7)
+    others = [g for g in gradients if g not in shown]
+    note = f"\n{', '.join(others)} not fft: plot(gradients=...) draws its frames" if others else ""
+    fig.suptitle(f"fft: {spec.describe()}{note}", fontsize=8)
+    fig.legend(handles=[Patch(color=c, label=lab) for c, lab in
+                        zip(COLOURS, ("zero (padding to L)", "data / taps", "kept by the crop", "cropped"),
+                            strict=True)], loc="lower center", ncol=4, fontsize=7)
+    fig.subplots_adjust(bottom=0.8 / height, top=1 - 0.5 / height, hspace=0.5 if spec.n > 1 else 0.9)
+    if path is not None:
+        fig.savefig(Path(path))
+    return fig
