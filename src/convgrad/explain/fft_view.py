@@ -80,7 +80,9 @@ def code_lines(plan: FftPlan, out: str) -> list[str]:
     names = _names(plan)
     reads = {"y_from_x": ("x", "w"), "x_from_y": ("y", "w"), "w_from_xy": ("x", "y")}[plan.kind]
     lines += [f"{v} = {names[v]}" for v in reads]
-    return [*lines, *plan.code(), f"{out} = out  # {shape}"]
+    own = [line for line in plan.code() if line != "import torch"]  # the script imports it at the top (a local
+    # import would make torch a local name of recipe_grads, unbound in the lines of a fwdconv plan before it)
+    return [*lines, *own, f"{out} = out  # {shape}"]
 
 
 def _dim_rows(plan: FftPlan, j: int) -> tuple[list[int], list[int], list[int]]:
