@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -123,8 +124,14 @@ def test_fft_picture_is_drawn(case: str, tmp_path: Path) -> None:
         pixels = image.convert("RGB")
         colours = {c for _, c in pixels.getcolors(1 << 20) or []}
         assert image.size[0] == 800
-    assert (0x54, 0xA2, 0x4B) in colours  # the crop's kept cells are drawn
+    assert (0x54, 0xA2, 0x4B) in colours  # the crop's kept colour (also the legend's)
     assert len(fig.axes) == 6  # data, kernel, result for each gradient
+    recipe = _recipe(case, method="fft")
+    for row, plan in enumerate(recipe.plans.values()):  # the result panel draws the kept cells of the plan's rows
+        kept = math.prod(fft_view._dim_rows(plan, j)[2].count(fft_view.KEPT)
+                         for j in range(recipe.spec.n)[-2:])
+        drawn = fig.axes[3 * row + 2].images[0].get_array()
+        assert int((drawn == fft_view.KEPT).sum()) == kept > 0
 
 
 def test_fft_picture_of_one_gradient_says_the_other_is_not_fft() -> None:
