@@ -127,6 +127,18 @@ def test_every_method_explain_shows_has_a_section_with_its_picture_and_rule() ->
             assert f"`{plan.reason}`" in wins, (name, plan.reason)
 
 
+def test_every_method_explain_takes_is_on_the_derivation_page() -> None:
+    """explain also takes fft, which the fwdconv sections above do not list: the convolution theorem's section
+    names it and what its picture shows instead of frames."""
+    from convgrad.explain.recipe import METHODS
+
+    page = (DOCS / "derivation.md").read_text()
+    sections = set(re.findall(r"^### grad_(?:input|weight): (\w+)$", page, flags=re.M))
+    theorem = page.split("## The convolution theorem")[1].split("\n## ")[0]
+    assert set(METHODS) - sections == {"fft"}
+    assert "`convgrad explain --method fft`" in theorem and "refuse fft" in theorem
+
+
 @pytest.mark.slow  # draws every method's picture
 def test_derivation_pictures_are_current(tmp_path: Path) -> None:
     """The committed method pictures are what make_figures.py draws now (same size; the pixels may differ by
