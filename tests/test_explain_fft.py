@@ -127,6 +127,8 @@ def test_fft_picture_is_drawn(case: str, tmp_path: Path) -> None:
     assert (0x54, 0xA2, 0x4B) in colours  # the crop's kept colour (also the legend's)
     assert len(fig.axes) == 6  # data, kernel, result for each gradient
     recipe = _recipe(case, method="fft")
+    big = "grad_output" if recipe.spec.transposed else "input"  # the backend's x named as the recipe's tensor
+    assert fig.axes[3].get_title().startswith(f"x = {big} ")
     for row, plan in enumerate(recipe.plans.values()):  # the result panel draws the kept cells of the plan's rows
         kept = math.prod(fft_view._dim_rows(plan, j)[2].count(fft_view.KEPT)
                          for j in range(recipe.spec.n)[-2:])

@@ -117,6 +117,13 @@ _TITLES = {"y_from_x": ("x (its phase) on the L grid", "flipped kernel slots", "
            "w_from_xy": ("x (its phase) on the L grid", "y, reversed in the product", "w: the crop keeps Q slots")}
 
 
+def _titled(plan: FftPlan, title: str) -> str:
+    """A panel title with the backend's operand (x, y, w) named as the recipe's tensor: ``x = grad_output``."""
+    head, rest = title.split(" ", 1) if " " in title else (title, "")
+    name = head.rstrip(":,")
+    return f"{name} = {_names(plan)[name]}{head[len(name):]} {rest}" if name in ("x", "y") else title
+
+
 def plot(spec: ConvSpec, plans: dict[str, Any], gradients: tuple[str, ...], path: str | Path | None = None) -> Any:
     """The fft picture: per fft gradient, the data, the kernel and the result on one phase's transform grid."""
     from matplotlib.colors import ListedColormap
@@ -136,7 +143,7 @@ def plot(spec: ConvSpec, plans: dict[str, Any], gradients: tuple[str, ...], path
                       aspect="equal" if spec.n > 1 else "auto", interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
-            ax.set_title(_TITLES[plan.kind][col], fontsize=8)
+            ax.set_title(_titled(plan, _TITLES[plan.kind][col]), fontsize=8)
             if col == 0:
                 ax.set_ylabel(f"{gradient}\nL = {plan.sizes}", fontsize=8)
             if col == 1:  # the steps under the middle panel
