@@ -406,13 +406,15 @@ def explain(
         method: a formulation to show instead of the one the backend's rules choose, applied to whichever
             computation has it: one of ``fwdconv.INPUT_METHODS`` (``zero_insert``, the textbook form,
             ``polyphase``, ``subpixel``) or ``fwdconv.WEIGHT_METHODS`` (``kernel``, ``per_sample``, ``taps``,
-            ``blocks``, ``phases``). Default None.
+            ``blocks``, ``phases``), or ``fft`` (the fft backend's plans, for both gradients). Default None.
         input_method: the formulation of x from y (grad_input of a forward conv; the forward pass of a
-            transposed one, as the pictures draw it), one of ``INPUT_METHODS``. Default None.
-        weight_method: the formulation of grad_weight, one of ``WEIGHT_METHODS``. Default None.
+            transposed one, as the pictures draw it), one of ``INPUT_METHODS`` or ``fft``. Default None.
+        weight_method: the formulation of grad_weight, one of ``WEIGHT_METHODS`` or ``fft``. Default None.
 
     Returns:
-        Recipe: wraps the fwdconv backend's own plans; ``str(recipe)`` is readable text.
+        Recipe: wraps the fwdconv backend's own plans (the fft backend's where ``fft`` is asked for: text,
+        script and ``plot`` show them; ``animate``, ``to_html`` and ``scene`` raise MethodRefused, an fft
+        computation has no per-cell frames); ``str(recipe)`` is readable text.
 
     Raises:
         TypeError, ValueError: invalid hyperparameters or shapes, as ``convgrad.ConvSpec``; an unknown method,
