@@ -161,4 +161,5 @@ def test_cli_explain_method_fft_prints_the_steps_and_refuses_animate(tmp_path: P
     assert "by the convolution theorem" in done.stdout and (tmp_path / "f.png").stat().st_size > 0
     failed = subprocess.run([*cmd, "--weight-method", "fft", "--animate", str(tmp_path / "f.gif")],
                             capture_output=True, text=True)
-    assert failed.returncode != 0 and "no frames for grad_weight" in failed.stderr
+    assert failed.returncode != 0 and "explain --animate: method='fft' has no frames for grad_weight" in failed.stderr
+    assert failed.stdout == "" and not (tmp_path / "f.gif").exists()  # refused before the text is printed

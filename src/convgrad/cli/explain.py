@@ -18,6 +18,7 @@ from typing import Any
 
 from convgrad.cli import add_conv_arguments, parse_shape, shapes_as_typed
 from convgrad.errors import ConvgradValueError
+from convgrad.explain import fft_view
 from convgrad.explain.recipe import EXPLAIN_INPUT_METHODS, EXPLAIN_WEIGHT_METHODS, METHODS
 
 __all__ = ["add_arguments", "check_outputs", "run"]
@@ -123,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
     with shapes_as_typed(args.input, args.weight):
         recipe = convgrad.explain(args.input, args.weight, **hyper, method=args.method,
                                   input_method=args.input_method, weight_method=args.weight_method)
+    if args.animate or args.html:  # frames of an fft plan: refused before anything is printed, like a bad path
+        for gradient, plan in {**recipe.plans, "forward": recipe.forward_plan}.items():
+            if fft_view.is_fft(plan):
+                raise fft_view.frames_refused(f"explain --{'animate' if args.animate else 'html'}", gradient)
     if args.code:
         print(recipe.to_python(), end="")
     else:
