@@ -130,7 +130,7 @@ def test_every_method_explain_shows_has_a_section_with_its_picture_and_rule() ->
 def test_every_method_explain_takes_is_on_the_derivation_page() -> None:
     """explain also takes fft, which the fwdconv sections above do not list: the convolution theorem's section
     names it and what its picture shows instead of frames."""
-    from convgrad.explain.recipe import METHODS
+    from convgrad.explain.methods import METHODS
 
     page = (DOCS / "derivation.md").read_text()
     sections = set(re.findall(r"^### grad_(?:input|weight): (\w+)$", page, flags=re.M))

@@ -19,7 +19,7 @@ from typing import Any
 from convgrad.cli import add_conv_arguments, parse_shape, shapes_as_typed
 from convgrad.errors import ConvgradValueError
 from convgrad.explain import fft_view
-from convgrad.explain.recipe import EXPLAIN_INPUT_METHODS, EXPLAIN_WEIGHT_METHODS, METHODS
+from convgrad.explain.methods import EXPLAIN_INPUT_METHODS, EXPLAIN_WEIGHT_METHODS, METHODS
 
 __all__ = ["add_arguments", "check_outputs", "run"]
 

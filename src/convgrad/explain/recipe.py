@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convgrad.backends import fft, fwdconv
-from convgrad.backends.fwdconv import INPUT_METHODS, WEIGHT_METHODS
-from convgrad.errors import ConvgradValueError, MethodRefused
+from convgrad.errors import ConvgradValueError
 from convgrad.explain import fft_view
 from convgrad.explain.kernel_choice import NativeChoice, native_backend
+from convgrad.explain.methods import plan_of, resolve_methods
 from convgrad.explain.symbols import used_symbols
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg, Shape
 
@@ -36,13 +36,6 @@ if TYPE_CHECKING:
     from convgrad.explain.frames import Scene
 
 __all__ = ["Leftover", "NativeChoice", "Recipe", "RecipeStep", "explain", "native_backend"]
-
-# the formulations explain shows: fwdconv's, and the fft backend's for either gradient
-EXPLAIN_INPUT_METHODS = (*INPUT_METHODS, fft_view.METHOD)
-EXPLAIN_WEIGHT_METHODS = (*WEIGHT_METHODS, fft_view.METHOD)
-METHODS = (*INPUT_METHODS, *WEIGHT_METHODS, fft_view.METHOD)
-
-
 
 @dataclass(frozen=True)
 class RecipeStep:
@@ -344,41 +337,6 @@ class Recipe:
                 raise fft_view.frames_refused(fn, gradient)
 
 
-def _methods(method: str | None, input_method: str | None, weight_method: str | None) -> tuple[str | None, str | None]:
-    """method=NAME applies NAME to whichever gradient has it; the explicit ones must name their own list."""
-    if method == fft_view.METHOD:  # both gradients have it
-        for name, given in (("input_method", input_method), ("weight_method", weight_method)):
-            if given not in (None, method):
-                raise ConvgradValueError(f"explain: method={method!r} and {name}={given!r} disagree; give one of them")
-        return method, method
-    if method is not None:
-        if method not in INPUT_METHODS + WEIGHT_METHODS:
-            raise ConvgradValueError(
-                f"explain: method={method!r} must be None or one of {METHODS}")
-        name, given = ("input_method", input_method) if method in INPUT_METHODS else ("weight_method", weight_method)
-        if given not in (None, method):
-            raise ConvgradValueError(f"explain: method={method!r} and {name}={given!r} disagree; give one of them")
-        input_method, weight_method = (method, weight_method) if name == "input_method" else (input_method, method)
-    if input_method is not None and input_method not in EXPLAIN_INPUT_METHODS:
-        raise ConvgradValueError(
-            f"explain: input_method={input_method!r} must be None or one of {EXPLAIN_INPUT_METHODS}")
-    if weight_method is not None and weight_method not in EXPLAIN_WEIGHT_METHODS:
-        raise ConvgradValueError(
-            f"explain: weight_method={weight_method!r} must be None or one of {EXPLAIN_WEIGHT_METHODS}")
-    return input_method, weight_method
-
-
-def _plan(build: Any, spec: ConvSpec, method: str | None, name: str) -> Any:
-    if method == fft_view.METHOD:  # the fft backend's plan of the same result
-        gradient = {"plan_forward": "output", "plan_input_grad": "grad_input"}.get(build.__name__, "grad_weight")
-        return fft.plan(spec, gradient)
-    try:  # no method: the very call (and lru_cache entry) the backend uses, so the plan is the object it runs
-        return build(spec) if method is None else build(spec, method)
-    except MethodRefused as err:  # the refusal's own reason, not its message's text
-        raise MethodRefused("explain", err.method, f"cannot serve {spec.describe()}: {err.reason}",
-                            param=name) from None
-
-
 def explain(
     input_size: Sequence[int],
     weight_size: Sequence[int],
@@ -435,11 +393,11 @@ def explain(
     """
     spec = ConvSpec.from_shapes(input_size, weight_size, stride, padding, dilation, transposed, output_padding,
                                 groups, fn="explain")
-    input_method, weight_method = _methods(method, input_method, weight_method)
+    input_method, weight_method = resolve_methods(method, input_method, weight_method)
     x_from_y = fwdconv.plan_forward if spec.transposed else fwdconv.plan_input_grad
-    x_plan = _plan(x_from_y, spec, input_method, "input_method")
+    x_plan = plan_of(x_from_y, spec, input_method, "input_method")
     input_plan = (fft.plan(spec, "grad_input") if input_method == fft_view.METHOD else
                   fwdconv.plan_input_grad(spec)) if spec.transposed else x_plan
     forward_plan = x_plan if spec.transposed else fwdconv.plan_forward(spec)
-    weight_plan = _plan(fwdconv.plan_weight_grad, spec, weight_method, "weight_method")
+    weight_plan = plan_of(fwdconv.plan_weight_grad, spec, weight_method, "weight_method")
     return Recipe(spec, input_plan, weight_plan, forward_plan, input_method, weight_method)
