@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -717,6 +718,37 @@ def test_clip_options_agree_and_storing_is_offered_only_within_the_memory_rule(s
     for name, (sq, summed) in results.items():  # the squared norms and the clipped sum with factors 1
         torch.testing.assert_close(sq, gw.flatten(1).square().sum(1), **TOL[DT], msg=name)
         torch.testing.assert_close(summed, gw.sum(0), **TOL[DT], msg=name)
+
+
+def test_a_clip_tuning_runs_the_book_keeping_pass_once_and_counts_it_in_every_option_without_store(
+        tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Book-Keeping pass is the same for every "clip" option without "+store": the tuning runs it twice (a
+    warm-up, a timed call), not once per option call, and adds its time to each of those options' times (here a
+    pass made 0.2 s slower: only the "+store" options, which have no such pass, stay under it)."""
+    from convgrad.per_sample import tuning
+
+    calls: list[int] = []
+    real = tuning.book_keeping
+
+    def slow(s: cg.ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(s.batch)
+        time.sleep(0.2)
+        return real(s, x, y)
+
+    monkeypatch.setattr(tuning, "book_keeping", slow)
+    x, gy = torch.randn(8, 4, 6, 6, dtype=DT), torch.randn(8, 4, 6, 6, dtype=DT)
+    spec = cg.ConvSpec.from_shapes(x.shape, (4, 4, 3, 3), 1, 1)
+    for store in (False, True):
+        calls.clear()
+        method = tuning.method_for(spec, x, gy, "clip", store)
+        choice = tuning.chosen(spec, "clip", x, store)
+        assert choice is not None and choice.backend == method
+        without = [n for n in choice.times if "+" not in n]
+        assert len(without) >= 2, choice.times  # of ghost, unfold, conv, native: several share the pass
+        assert calls == [8, 8], (store, calls)
+        assert all(choice.times[n] >= 0.2 for n in without), choice.times
+        assert all(t < 0.2 for n, t in choice.times.items() if "+" in n), choice.times
+        assert ("+" in method) == store  # the pass's cost decides against the options that run it
 
 
 def test_clip_options_run_in_a_lower_precision_dtype() -> None:
