@@ -7,7 +7,8 @@ Three purposes, each a set of options for one conv layer (x, y: its two sides, s
     "clip"   norms, then the clipped sum (DP-SGD): ghost, unfold, conv, native, each followed by one more
              weight-gradient pass on the per-sample-scaled grad_output (Book-Keeping, Bu et al. 2023); and, where the
              per-sample gradients take no more memory than the (input, grad_output) that pass would keep,
-             unfold+store, conv+store, native+store (materialised once, then a weighted sum)
+             unfold+store, conv+store, native+store (materialised once, then a weighted sum), which then take the
+             place of unfold, conv, native (``raced``)
 Options are first pruned by the cost model (multiply-adds, ``estimates``): one estimated over
 ``PRUNE_ESTIMATE`` (4x) the cheapest is never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's
 multiply-adds, and it measured 423 ms against unfold's 36 ms). The rest are screened on the whole batch (a
@@ -36,7 +37,7 @@ from convgrad.spec import ConvSpec
 from convgrad.tuning import Choice, Store, bucketed, decide, device_name, fixed, screen, threads, tunable, tune
 from convgrad.tuning.tuner import prune, timed
 
-__all__ = ["PURPOSES", "book_keeping", "chosen", "estimates", "method_for", "options"]
+__all__ = ["PURPOSES", "book_keeping", "chosen", "estimates", "method_for", "options", "raced"]
 
 PURPOSES = ("grads", "norms", "clip")
 _NAMES = ("ghost", "unfold", "conv", "native", "unfold+store", "conv+store", "native+store")
@@ -93,6 +94,16 @@ def _fixed(spec: ConvSpec, purpose: str, store: bool) -> str:
     return f"{method}+store" if purpose == "clip" and store and method != "ghost" else method
 
 
+def raced(spec: ConvSpec, purpose: str, store: bool) -> list[str]:
+    """The options a tuning considers: those of ``estimates``, less, where storing is allowed, each materialising
+    option without "+store" (m+store materialises the same, then replaces the Book-Keeping pass, a whole
+    weight-gradient pass, by a weighted sum of N·W; it was the faster of the two on every ResNet-18 layer shape
+    where storing is allowed, by 1.3-2.4x, 2 shared cores: the times of a first step of
+    ``benchmarks/first_step.py --per-sample c``)."""
+    names = estimates(spec, purpose, store)
+    return [n for n in names if not (store and f"{n}+store" in names)]
+
+
 def book_keeping(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The Book-Keeping pass of a "clip" option with all factors 1: the native weight gradient of the batch."""
     inp, gy = (y, x) if spec.transposed else (x, y)
@@ -106,7 +117,7 @@ def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, stor
     its samples, ``_screened_samples``; for "clip": the squared norms and the clipped sum with all factors 1, the
     Book-Keeping pass by the native backend). ``kept``: "clip" on the whole batch only, the Book-Keeping pass's
     result, computed once: the options without "+store" then return it instead of running that pass again."""
-    names = estimates(spec, purpose, store)
+    names = raced(spec, purpose, store)
 
     def sub(n: int) -> tuple[ConvSpec, torch.Tensor, torch.Tensor]:
         return (spec, x, y) if n == spec.batch else (spec.with_batch(n), x[:n], y[:n])
@@ -192,10 +203,12 @@ def _tune_clip(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, store: bool, es
     """tune() for "clip", with the Book-Keeping pass that every option without "+store" ends with run and timed
     once (a warm-up, then a timed call) and its time added to theirs: the same pass, so timing it per option only
     cost time (ResNet-18's first clipped step ran it about 100 times for 11 layer shapes)."""
-    book_keeping(spec, x, y)  # warm-up: its first call at this shape pays the kernel's first-call costs
-    kept, pass_s = timed(lambda: book_keeping(spec, x, y), x.device)
-    runs = options(spec, x, y, "clip", store, kept=kept)
     dropped = prune(est, keep=(reference,))
+    kept, pass_s = None, 0.0
+    if any("+" not in n for n in raced(spec, "clip", store) if n not in dropped):
+        book_keeping(spec, x, y)  # warm-up: its first call at this shape pays the kernel's first-call costs
+        kept, pass_s = timed(lambda: book_keeping(spec, x, y), x.device)
+    runs = options(spec, x, y, "clip", store, kept=kept)
     seen = screen({n: r for n, r in runs.items() if n not in dropped}, spec.batch, x.device, reference,
                   on=spec.batch)
     times = {n: t + (0.0 if "+" in n else pass_s) for n, t in seen.times.items()}
