@@ -17,8 +17,14 @@ sleep instead of spinning, which otherwise counts as CPU time and slows everythi
 (its choices settled by 30 warm-up steps) against an unpatched copy, N interleaved rounds, the
 median of the per-round ratios and their IQR.
 
+``--per-sample b|c`` times DP-SGD's per-sample step instead (benchmarks/per_sample.py's convgrad contender:
+``PerSampleGrads`` over the model, then ``norms()`` (b) or ``clip_and_accumulate`` (c)) on
+benchmarks/per_sample_models.py's models (GroupNorm; ``resnet18``, ``small_cnn``, ...; batch 32): "plain" is
+that model's plain step, the other runs its per-sample step, whose first call tunes the per-sample methods.
+
 Usage:
     PYTHONPATH=src python benchmarks/first_step.py --threads 2 --paired 15
+    PYTHONPATH=src python benchmarks/first_step.py --per-sample c --models resnet18 small_cnn --runs plain cold fixed
     PYTHONPATH=src python benchmarks/first_step.py --models demo --steps 20
 """
 
@@ -79,11 +85,32 @@ def _setup(name: str) -> tuple[nn.Module, Any]:
     return _setup_for(name, resnet18())
 
 
-def worker(name: str, run: str, steps: int, threads: int) -> dict[str, Any]:
+def _per_sample_setup(name: str, run: str, quantity: str) -> tuple[nn.Module, Any]:
+    """A step of per_sample_models' model: plain (run "plain") or convgrad's per-sample step for ``quantity``."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import per_sample
+    import per_sample_models
+
+    torch.manual_seed(0)
+    model = per_sample_models.MODELS[name]()
+    x, y = per_sample._data(name)
+    setup = per_sample.setup_plain if run == "plain" else per_sample.setup_convgrad
+    inner = setup(model, quantity)
+
+    def step() -> None:
+        per_sample._zero(model)
+        inner(x, y)
+    return model, step
+
+
+def worker(name: str, run: str, steps: int, threads: int, per_sample: str | None = None) -> dict[str, Any]:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model, step = _setup(name)
-    if run != "plain":
+    if per_sample:
+        model, step = _per_sample_setup(name, run, per_sample)
+    else:
+        model, step = _setup(name)
+    if run != "plain" and not per_sample:
         import convgrad as cg
 
         cg.patch(model)
@@ -97,8 +124,9 @@ def worker(name: str, run: str, steps: int, threads: int) -> dict[str, Any]:
                            "first_cpu_s": cpu[0], "steady_cpu_s": statistics.median(cpu[1:]), "threads": threads}
     if run in ("cold", "warm"):
         from convgrad.backends import auto
+        from convgrad.per_sample import tuning
 
-        out["tuned"] = len(auto._choices)
+        out["tuned"] = len(tuning._choices) if per_sample else len(auto._choices)
     return out
 
 
@@ -155,7 +183,8 @@ def run_one(name: str, run: str, args: argparse.Namespace, cache: Path) -> dict[
         env["CONVGRAD_AUTOTUNE_CACHE"] = str(cache)
     if run == "fixed":
         env["CONVGRAD_AUTOTUNE"] = "fixed"
-    cmd = [sys.executable, __file__, "--worker", name, run, "--steps", str(args.steps), "--threads", str(args.threads)]
+    cmd = [sys.executable, __file__, "--worker", name, run, "--steps", str(args.steps), "--threads", str(args.threads),
+           *(["--per-sample", args.per_sample] if args.per_sample else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     if proc.returncode != 0:
         return {"model": name, "run": run, "error": (proc.stderr.strip().splitlines() or ["(no output)"])[-1]}
@@ -164,7 +193,9 @@ def run_one(name: str, run: str, args: argparse.Namespace, cache: Path) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", choices=("resnet18", "demo"), default=["resnet18", "demo"])
+    p.add_argument("--models", nargs="+", default=["resnet18", "demo"],
+                   help="resnet18, demo; with --per-sample: benchmarks/per_sample_models.py's names")
+    p.add_argument("--per-sample", choices=("b", "c"), help="time the per-sample step: norms (b) or clipped sum (c)")
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     p.add_argument("--steps", type=int, default=5, help="steady steps after the first (default 5)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -173,32 +204,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
     p.add_argument("--paired-worker", metavar="MODEL", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    known = ("resnet18", "demo") if not args.per_sample else None
+    if known and not set(args.models) <= set(known):
+        p.error(f"--models: choose from {known} (per-sample models need --per-sample)")
+    if args.paired and args.per_sample:
+        p.error("--paired compares the patched plain step; it does not combine with --per-sample")
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.steps, args.threads)))
+        print(json.dumps(worker(*args.worker, args.steps, args.threads, args.per_sample)))
         return 0
     if args.paired_worker:
         print(json.dumps(paired(args.paired_worker, args.paired, args.threads)))
         return 0
     print("| model | run | first step (s) | steady step (s) | first - plain's first (s) | first step CPU (s) | "
-          "steady step CPU (s) | first - plain's first, CPU (s) | configurations tuned |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "steady step CPU (s) | first - plain's first, CPU (s) | configurations tuned | first - steady (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             cache = Path(tmp) / "autotune.json"
             if "warm" in args.runs:  # fill the cache file: a cold run that persists
                 env = {**os.environ, "CONVGRAD_AUTOTUNE_CACHE": str(cache), "CONVGRAD_AUTOTUNE": "tune"}
                 subprocess.run([sys.executable, __file__, "--worker", name, "cold", "--steps", "20", "--threads",
-                                str(args.threads)], capture_output=True, env=env, check=True, timeout=args.timeout)
+                                str(args.threads), *(["--per-sample", args.per_sample] if args.per_sample else [])],
+                               capture_output=True, env=env, check=True, timeout=args.timeout)
             results = {run: run_one(name, run, args, cache) for run in args.runs}
         plain = results.get("plain", {})
         for run, r in results.items():
             if "error" in r:
-                print(f"| {name} | {run} | error: {r['error']} | | | | | | |")
+                print(f"| {name} | {run} | error: {r['error']} | | | | | | | |")
                 continue
             extra = f"{r['first_s'] - plain['first_s']:+.2f}" if "first_s" in plain else ""
             extra_cpu = f"{r['first_cpu_s'] - plain['first_cpu_s']:+.2f}" if "first_cpu_s" in plain else ""
             print(f"| {name} | {run} | {r['first_s']:.2f} | {r['steady_s']:.3f} | {extra} | {r['first_cpu_s']:.2f} | "
-                  f"{r['steady_cpu_s']:.3f} | {extra_cpu} | {r.get('tuned', '')} |")
+                  f"{r['steady_cpu_s']:.3f} | {extra_cpu} | {r.get('tuned', '')} | "
+                  f"{r['first_s'] - r['steady_s']:+.2f} |")
     for name in args.models if args.paired else ():
         env = {**os.environ, "CONVGRAD_AUTOTUNE_CACHE": "0", "CONVGRAD_AUTOTUNE": "tune"}
         proc = subprocess.run([sys.executable, __file__, "--paired-worker", name, "--paired", str(args.paired),

@@ -7,15 +7,18 @@ Three purposes, each a set of options for one conv layer (x, y: its two sides, s
     "clip"   norms, then the clipped sum (DP-SGD): ghost, unfold, conv, native, each followed by one more
              weight-gradient pass on the per-sample-scaled grad_output (Book-Keeping, Bu et al. 2023); and, where the
              per-sample gradients take no more memory than the (input, grad_output) that pass would keep,
-             unfold+store, conv+store, native+store (materialised once, then a weighted sum)
+             unfold+store, conv+store, native+store (materialised once, then a weighted sum), which then take the
+             place of unfold, conv, native (``raced``)
 Options are first pruned by the cost model (multiply-adds, ``estimates``): one estimated over
 ``PRUNE_ESTIMATE`` (4x) the cheapest is never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's
 multiply-adds, and it measured 423 ms against unfold's 36 ms). The rest are screened on the whole batch (a
-probe and a timed call each) and the fastest is taken. Not on a slice: the ranking moves with the batch (the
-small CNN's second conv, per sample: conv 0.17 ms and unfold 0.49 ms on 4 samples, but 2.15 and 1.26 ms on 32;
-2 busy shared cores). Unlike a backend, an option's work here is split between the backward and the
-clipping, so a later call cannot run one option whole: the screening alone decides. Choices share auto's mode
-(``CONVGRAD_AUTOTUNE=fixed``: the cost model of ``methods.choose_method``), its cache file and batch buckets.
+probe and a timed call each) and the fastest is taken; for "clip", the Book-Keeping pass that the options
+without "+store" share runs once (a warm-up and a timed call) and its time is added to each of theirs. Not on a
+slice: the ranking moves with the batch (the small CNN's second conv, per sample: conv 0.17 ms and unfold 0.49 ms
+on 4 samples, but 2.15 and 1.26 ms on 32; 2 busy shared cores). Unlike a backend, an option's work here is split
+between the backward and the clipping, so a later call cannot run one option whole: the screening alone decides.
+Choices share auto's mode (``CONVGRAD_AUTOTUNE=fixed``: the cost model of ``methods.choose_method``), its cache
+file and batch buckets.
 "native" (PyTorch's weight gradient of the batch folded into the groups, see ``methods``) is counted at
 ``methods.NATIVE_POSITIONS / P`` times its multiply-adds where a sample has fewer positions P, since that kernel
 runs slowly there.
@@ -31,9 +34,10 @@ import torch
 from convgrad.backends import get_backend
 from convgrad.per_sample import methods
 from convgrad.spec import ConvSpec
-from convgrad.tuning import Choice, Store, bucketed, device_name, fixed, threads, tunable, tune
+from convgrad.tuning import Choice, Store, bucketed, decide, device_name, fixed, screen, threads, tunable, tune
+from convgrad.tuning.tuner import prune, timed
 
-__all__ = ["PURPOSES", "chosen", "estimates", "method_for", "options"]
+__all__ = ["PURPOSES", "book_keeping", "chosen", "estimates", "method_for", "options", "raced"]
 
 PURPOSES = ("grads", "norms", "clip")
 _NAMES = ("ghost", "unfold", "conv", "native", "unfold+store", "conv+store", "native+store")
@@ -90,32 +94,47 @@ def _fixed(spec: ConvSpec, purpose: str, store: bool) -> str:
     return f"{method}+store" if purpose == "clip" and store and method != "ghost" else method
 
 
-def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str,
-            store: bool) -> dict[str, Callable[[int], object]]:
+def raced(spec: ConvSpec, purpose: str, store: bool) -> list[str]:
+    """The options a tuning considers: those of ``estimates``, less, where storing is allowed, each materialising
+    option without "+store" (m+store materialises the same, then replaces the Book-Keeping pass, a whole
+    weight-gradient pass, by a weighted sum of N·W; it was the faster of the two on every ResNet-18 layer shape
+    where storing is allowed, by 1.3-2.4x, 2 shared cores: the times of a first step of
+    ``benchmarks/first_step.py --per-sample c``)."""
+    names = estimates(spec, purpose, store)
+    return [n for n in names if not (store and f"{n}+store" in names)]
+
+
+def book_keeping(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The Book-Keeping pass of a "clip" option with all factors 1: the native weight gradient of the batch."""
+    inp, gy = (y, x) if spec.transposed else (x, y)
+    ones = gy.new_ones(spec.batch, *(1,) * (gy.dim() - 1))  # gy's dtype and device (autocast, CUDA)
+    return get_backend("native").weight_grad(spec, inp, gy * ones)
+
+
+def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store: bool,
+            kept: torch.Tensor | None = None) -> dict[str, Callable[[int], object]]:
     """Each option as ``run(n)`` on the first n samples: what it computes for its purpose (for "grads": four of
     its samples, ``_screened_samples``; for "clip": the squared norms and the clipped sum with all factors 1, the
-    Book-Keeping pass by the native backend)."""
-    names = estimates(spec, purpose, store)
+    Book-Keeping pass by the native backend). ``kept``: "clip" on the whole batch only, the Book-Keeping pass's
+    result, computed once: the options without "+store" then return it instead of running that pass again."""
+    names = raced(spec, purpose, store)
 
     def sub(n: int) -> tuple[ConvSpec, torch.Tensor, torch.Tensor]:
         return (spec, x, y) if n == spec.batch else (spec.with_batch(n), x[:n], y[:n])
 
-    def book_keeping(s: ConvSpec, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-        inp, gy = (ys, xs) if s.transposed else (xs, ys)
-        ones = gy.new_ones(s.batch, *(1,) * (gy.dim() - 1))  # gy's dtype and device (autocast, CUDA)
-        return get_backend("native").weight_grad(s, inp, gy * ones)
-
     def run(name: str, n: int) -> object:
         s, xs, ys = sub(n)
-        method, _, kept = name.partition("+")
+        method, _, stores = name.partition("+")
         if purpose == "grads":
             return _screened_samples(methods.weight_grad(s, xs, ys, method))
-        if kept:
+        if stores:
             gw = methods.weight_grad(s, xs, ys, method)
             return methods.sq_norms(gw), torch.tensordot(gw.new_ones(n), gw, dims=1)
         sq = methods.ghost_sq_norms(s, xs, ys) if method == "ghost" else methods.materialised_sq_norms(s, xs, ys,
                                                                                                           method)
-        return (sq, book_keeping(s, xs, ys)) if purpose == "clip" else sq
+        if purpose != "clip":
+            return sq
+        return sq, (kept if kept is not None and n == spec.batch else book_keeping(s, xs, ys))
 
     return {name: (lambda n, name=name: run(name, n)) for name in names}
 
@@ -171,6 +190,26 @@ def _tune(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store:
     est = estimates(spec, purpose, store)
     reference = min(est, key=lambda n: (est[n], n != _fixed(spec, purpose, store)))
     with torch.no_grad():
-        choice, _ = tune(options(spec, x, y, purpose, store), spec.batch, x.device, reference, estimates=est,
-                         on=spec.batch)
+        if purpose != "clip":
+            choice, _ = tune(options(spec, x, y, purpose, store), spec.batch, x.device, reference, estimates=est,
+                             on=spec.batch)
+        else:
+            choice = _tune_clip(spec, x, y, store, est, reference)
     return dataclasses.replace(choice, pending=())  # the screening decides (module doc): its fastest
+
+
+def _tune_clip(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, store: bool, est: dict[str, float],
+               reference: str) -> Choice:
+    """tune() for "clip", with the Book-Keeping pass that every option without "+store" ends with run and timed
+    once (a warm-up, then a timed call) and its time added to theirs: the same pass, so timing it per option only
+    cost time (ResNet-18's first clipped step ran it about 100 times for 11 layer shapes)."""
+    dropped = prune(est, keep=(reference,))
+    kept, pass_s = None, 0.0
+    if any("+" not in n for n in raced(spec, "clip", store) if n not in dropped):
+        book_keeping(spec, x, y)  # warm-up: its first call at this shape pays the kernel's first-call costs
+        kept, pass_s = timed(lambda: book_keeping(spec, x, y), x.device)
+    runs = options(spec, x, y, "clip", store, kept=kept)
+    seen = screen({n: r for n, r in runs.items() if n not in dropped}, spec.batch, x.device, reference,
+                  on=spec.batch)
+    times = {n: t + (0.0 if "+" in n else pass_s) for n, t in seen.times.items()}
+    return decide(spec.batch, times, reference, seen.rejected, keep=(reference,))
