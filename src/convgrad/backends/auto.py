@@ -7,7 +7,9 @@ Like ``torch.backends.cudnn.benchmark``: the first time a (configuration, gradie
 memory format, thread count) is seen, batch sizes counted up to the next power of two, the
 candidates are tuned by ``convgrad.tuning`` (its tuner). Each runs on a slice of the batch (an
 eighth, at least 4 samples): once as a probe checked against native (one that disagrees is never
-chosen), once timed. Those over 2x the fastest there are dropped, native never: a slice can
+chosen), once timed (again while a call runs 10% faster than the one before, twice at most: fft's
+first calls on a new shape are several times its steady time; the same holds in the rounds below).
+Those over 2x the fastest there are dropped, native never: a slice can
 misrank the options (per-sample speeds move with the batch), so native always takes part in
 what follows. The fastest runs from then on; when others survived, the calls that follow
 compare them on the whole batch, each in turn twice in a row, the second call timed and paired

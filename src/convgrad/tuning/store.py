@@ -181,9 +181,10 @@ class Store(dict[Hashable, Choice]):
             return self.watched(key, choice, batch, device, make(choice.backend))
         explore = self.exploring.setdefault(key, Exploration(choice.pending))
         name, is_timed = explore.next()
-        if not is_timed:
-            explore.skip()
-            return make(name)()
+        if not is_timed:  # the warm-up call, timed too: an option still warming up gets another (WARMING)
+            out, seconds = timed(make(name), device)
+            explore.skip(seconds / max(batch, 1))
+            return out
         out, seconds = timed(make(name), device)
         winner = explore.record(name, seconds / max(batch, 1))
         if winner is not None:

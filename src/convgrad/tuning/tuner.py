@@ -8,7 +8,9 @@ computes the result for the first ``n`` samples of the batch. One tuning:
    estimate are never called (options without an estimate always take part);
 2. **screen**: every option runs on the first ``screen_batch(N)`` samples (an eighth of the
    batch): a probe, checked against the reference option's probe and serving as warm-up, then
-   one timed call. Options over ``SCREEN_DROP`` times the fastest screened time are dropped;
+   one timed call (more while a call runs over ``WARMING`` times faster than the one before: an
+   option still warming up, see ``warm_time``). Options over ``SCREEN_DROP`` times the fastest
+   screened time are dropped;
 3. **settle**: when one option survives, it is the choice. When several do, the fastest
    screened is used for now and the survivors are compared on the calls that follow
    (``Exploration``): those calls compute real results, so comparing costs no extra calls,
@@ -35,8 +37,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["PREFER_NATIVE", "PRUNE_ESTIMATE", "SCREEN_DROP", "SPLIT_MARGIN", "Choice", "Exploration", "Result", "Run",
-           "Screen", "agrees", "decide", "prune", "screen", "screen_batch", "timed", "tune"]
+__all__ = ["PREFER_NATIVE", "PRUNE_ESTIMATE", "SCREEN_DROP", "SPLIT_MARGIN", "WARMING", "WARM_CALLS", "Choice",
+           "Exploration", "Result", "Run", "Screen", "agrees", "decide", "prune", "screen", "screen_batch", "timed",
+           "tune", "warm_time"]
 
 Result = Any  # a gradient, a (grad_input, grad_weight) pair, or whatever the options compute
 Run = Callable[[int], Result]  # run(n): the result for the first n samples of the batch
@@ -67,6 +70,11 @@ PREFER_NATIVE, SPLIT_MARGIN = 1.03, 1.05
 SCREEN_FRACTION, SCREEN_MIN, SCREEN_DROP = 8, 4, 2.0
 # Pruning by cost model: an option estimated over PRUNE_ESTIMATE times the cheapest is never run.
 PRUNE_ESTIMATE = 4.0
+# Warm-up: an option whose timed call ran over WARMING times faster than its call before may still be warming up
+# (fft's calls on a new shape in a fresh process: 3.8 s, 2.8 s, then 0.65 s), so it is timed again, at most WARM_CALLS
+# more times, in the screening and in each exploration round. A margin over the noise of one call, not a large one:
+# the second call was only 1.4x faster than the first there.
+WARMING, WARM_CALLS = 1.1, 2
 
 
 @dataclass(frozen=True)
@@ -139,12 +147,19 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
     n = screen_batch(batch) if on is None else on
     scale = batch / n if n else 1.0
     with torch.no_grad():
-        ref = options[reference](n)  # each probe is also the warm-up of its option's timed call
+        ref, first = timed(lambda: options[reference](n), device)  # each probe is also its option's warm-up
         if not _finite(ref):
             return Screen({}, (), {reference: ref}, n)
-        # one probe at a time beside the reference's: a per-sample option's result can be hundreds of MiB
-        ok = [name for name in options if name == reference or agree(options[name](n), ref)]
-        times = {name: timed(lambda r=options[name]: r(n), device)[1] * scale for name in ok}
+        probe = {reference: first}
+        ok = [reference]
+        for name in options:  # one probe at a time beside the reference's: a per-sample result can be 100s of MiB
+            if name != reference:
+                out, probe[name] = timed(lambda r=options[name]: r(n), device)
+                if agree(out, ref):
+                    ok.append(name)
+                del out
+        ok.sort(key=list(options).index)
+        times = {name: warm_time(lambda r=options[name]: r(n), device, probe[name]) * scale for name in ok}
         for name in ok:  # a call delayed by other load must not drop an option: those to be dropped run once more
             if times[name] > SCREEN_DROP * min(times.values()):
                 times[name] = min(times[name], timed(lambda r=options[name]: r(n), device)[1] * scale)
@@ -226,6 +241,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def warm_time(option: Callable[[], Result], device: torch.device, before: float) -> float:
+    """The option's time once warm: timed again while a call runs over WARMING times faster than the one before
+    (``before``: the time of the call before the first, its warm-up), at most WARM_CALLS more times.
+
+    Examples:
+        >>> import itertools, torch
+        >>> from convgrad.tuning import tuner
+        >>> seconds = iter([2.8, 0.65, 0.6])  # its probe took 3.8 s: the option is still warming up
+        >>> real, tuner.timed = tuner.timed, lambda option, device: (option(), next(seconds))
+        >>> round(tuner.warm_time(lambda: None, torch.device("cpu"), 3.8), 2)
+        0.6
+        >>> tuner.timed = real
+    """
+    seconds = timed(option, device)[1]
+    for _ in range(WARM_CALLS):
+        if seconds * WARMING >= before:
+            break
+        before, seconds = seconds, timed(option, device)[1]
+    return seconds
+
+
 def timed(option: Callable[[], Result], device: torch.device) -> tuple[Result, float]:
     """The option's result and its wall time in seconds (the device synchronized before and after)."""
     _sync(device)
@@ -279,20 +315,29 @@ class Exploration:
         self.active = list(pending)
         self.samples: dict[str, list[float]] = {n: [] for n in pending}
         self.rounds, self._turn, self._calls = 0, 0, 0
+        self._before: float | None = None  # seconds per sample of the call before the timed one, when timed
+        self._warmed = 0  # extra warm-up calls of the current option (WARMING)
 
     def next(self) -> tuple[str, bool]:
         """The option the next call runs, and whether that call is timed (the second of two in a row)."""
         order = self.active[self.rounds % len(self.active):] + self.active[:self.rounds % len(self.active)]
         return order[self._turn], self._calls == 1
 
-    def skip(self) -> None:
-        """The untimed call ran: the next one is timed."""
-        self._calls = 1
+    def skip(self, seconds_per_sample: float | None = None) -> None:
+        """The untimed call ran (in ``seconds_per_sample``, if it was measured): the next one is timed."""
+        self._calls, self._before, self._warmed = 1, seconds_per_sample, 0
 
     def record(self, name: str, seconds_per_sample: float) -> str | None:
-        """Keep a timed call's time; at the end of a round, drop or settle. Returns the winner once settled."""
+        """Keep a timed call's time; at the end of a round, drop or settle. Returns the winner once settled.
+
+        A call over WARMING times faster than the one before it (its option still warming up on this batch) is
+        not kept: the option's next call is timed instead, at most WARM_CALLS times in a row."""
+        if (self._before is not None and seconds_per_sample * WARMING < self._before
+                and self._warmed < WARM_CALLS):
+            self._before, self._warmed = seconds_per_sample, self._warmed + 1
+            return None
         self.samples[name].append(seconds_per_sample)
-        self._calls, self._turn = 0, self._turn + 1
+        self._calls, self._turn, self._before = 0, self._turn + 1, None
         if self._turn < len(self.active):
             return None
         self._turn, self.rounds = 0, self.rounds + 1
