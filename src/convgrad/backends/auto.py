@@ -36,7 +36,8 @@ distinct layer shape and batch bucket: about one steady step for a CIFAR ResNet-
 A choice is watched on the CPU: when its calls run ``DRIFT`` (2) times slower per sample than it
 was tuned at, ``DRIFT_CALLS`` (3) calls in a row, it is tuned again, at most ``MAX_RETUNES`` (2)
 times per configuration: a backend's speed can change within a process, and a choice made once would keep the
-slow one (benchmarks/results/auto_margins.md).
+slow one (benchmarks/results/auto_margins.md). Before that, native is timed once: a choice that slowed down no more
+than native did (a loaded machine) is kept, its tuned times scaled.
 
 Modes, set by ``set_mode`` or the ``CONVGRAD_AUTOTUNE`` environment variable (read on first use):
 

@@ -13,11 +13,11 @@ model and thread count, and the file is ignored under a different torch version.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
 import platform
-import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -26,13 +26,15 @@ import torch
 
 from convgrad.tuning.tuner import Choice, Exploration, Result, timed
 
-__all__ = ["DRIFT", "DRIFT_CALLS", "DRIFT_MIN_S", "FORMAT", "MAX_RETUNES", "Store", "cache_path", "clear",
+__all__ = ["ANCHOR", "DRIFT", "DRIFT_CALLS", "DRIFT_MIN_S", "FORMAT", "MAX_RETUNES", "Store", "cache_path", "clear",
            "device_name", "entry", "forget", "reset_all", "save"]
 
 FORMAT = 2  # of the cache file; a file of another format is ignored (format 1 stored "split" without its parts)
 # The watch: calls this many times slower per sample than tuned, this many in a row, re-tune; choices tuned faster
 # than DRIFT_MIN_S are not watched (cold caches alone slow down tiny calls, and little is lost)
 DRIFT, DRIFT_CALLS, MAX_RETUNES, DRIFT_MIN_S = 2.0, 3, 2, 1e-3
+# The option a drifting choice is compared with before it is tuned again (see Store.watched)
+ANCHOR = "native"
 _STORES: list[Store] = []
 
 _stored: dict[str, dict[str, Any]] = {}  # the cache file's entries, by key text
@@ -178,7 +180,7 @@ class Store(dict[Hashable, Choice]):
         (the call timed when it is the second of two in a row; settled, the choice is remembered), else the
         chosen one, watched for drift. ``make(name)`` gives the call of an option on the whole batch."""
         if not choice.pending:
-            return self.watched(key, choice, batch, device, make(choice.backend))
+            return self.watched(key, choice, batch, device, make(choice.backend), make)
         explore = self.exploring.setdefault(key, Exploration(choice.pending))
         name, is_timed = explore.next()
         if not is_timed:  # the warm-up call, timed too: an option still warming up gets another (WARMING)
@@ -194,20 +196,31 @@ class Store(dict[Hashable, Choice]):
         return out
 
     def watched(self, key: Hashable, choice: Choice, batch: int, device: torch.device,
-                run: Callable[[], Result]) -> Result:
+                run: Callable[[], Result], make: Callable[[str], Callable[[], Result]] | None = None) -> Result:
         """Run the chosen option; on the CPU, time it, and forget the choice (the next call tunes again) once it
-        ran DRIFT times slower per sample than tuned, DRIFT_CALLS calls in a row, at most MAX_RETUNES times."""
+        ran DRIFT times slower per sample than tuned, DRIFT_CALLS calls in a row, at most MAX_RETUNES times.
+
+        When the choice is not the anchor ``ANCHOR`` and ``make`` can run the anchor, the anchor is timed once
+        then: if the choice is still within DRIFT of its tuned ratio to the anchor, the machine slowed down, not
+        the choice (a loaded machine slows fft's many ops more than native's one), so the choice is kept, its
+        times scaled to the anchor's now. A re-tuning costs a screening of every option."""
         tuned = choice.times.get(choice.backend, 0.0)
         if (device.type != "cpu" or tuned < DRIFT_MIN_S or not (choice.batch and batch)
                 or self.retunes.get(key, 0) >= MAX_RETUNES):
             return run()
-        start = time.perf_counter()
-        out = run()
-        slow = (time.perf_counter() - start) / batch > DRIFT * tuned / choice.batch
+        out, seconds = timed(run, device)
+        slow = seconds / batch > DRIFT * tuned / choice.batch
         self.slow[key] = self.slow.get(key, 0) + 1 if slow else 0
         if self.slow[key] >= DRIFT_CALLS:
-            self.retunes[key] = self.retunes.get(key, 0) + 1
             del self.slow[key]
+            anchor = choice.times.get(ANCHOR, 0.0)
+            if make is not None and choice.backend != ANCHOR and anchor > 0.0:
+                now = timed(make(ANCHOR), device)[1] / batch * choice.batch  # the anchor's time on the tuned batch
+                if seconds / batch * choice.batch / now <= DRIFT * tuned / anchor:
+                    self[key] = dataclasses.replace(choice, times={n: t * now / anchor
+                                                                   for n, t in choice.times.items()})
+                    return out
+            self.retunes[key] = self.retunes.get(key, 0) + 1
             self.pop(key, None)
             forget(self.text(key))
         return out
