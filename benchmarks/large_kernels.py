@@ -33,7 +33,10 @@ from convgrad.spec import ConvSpec
 
 def _time(f: Callable[[], object], min_time: float) -> float:
     f()
-    return benchmark.Timer("f()", globals={"f": f}).blocked_autorange(min_run_time=min_time).median
+    # Timer runs at 1 thread unless told: auto's choices are keyed by the thread count, so at 1 thread it would tune
+    # afresh inside the timing (and every contender would run at 1 thread, not --threads)
+    timer = benchmark.Timer("f()", globals={"f": f}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_time).median
 
 
 def peak_bytes(f: Callable[[], object]) -> int:
