@@ -275,3 +275,15 @@ def load_script(name: str, path: Path) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+def graph_node_names(t: torch.Tensor) -> set[str]:
+    """Names of every autograd node behind t."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo += [nxt for nxt, _ in node.next_functions]
+    return {type(node).__name__ for node in seen}

@@ -18,6 +18,7 @@ from convgrad.autograd import calls
 from convgrad.backends import auto, get_backend
 from convgrad.spec import ConvSpec
 from convgrad.tuning import store as auto_cache
+from helpers import graph_node_names
 
 F64 = torch.float64
 TORCH_NODE, OUR_NODE = "ConvolutionBackward0", "ConvFunctionBackward"
@@ -35,17 +36,6 @@ CASES = [
 ]
 
 
-def _nodes(t: torch.Tensor) -> set[str]:
-    """Names of every autograd node behind t."""
-    seen, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo += [nxt for nxt, _ in node.next_functions]
-    return {type(node).__name__ for node in seen}
-
 
 def _operands(xs: tuple[int, ...], ws: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -58,7 +48,7 @@ def _run(call: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor,
     y = call(*leaves)
     gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
     y.backward(gy)
-    return y.detach(), _nodes(y), [t.grad for t in leaves]
+    return y.detach(), graph_node_names(y), [t.grad for t in leaves]
 
 
 def _torch_call(ws: tuple[int, ...], transposed: bool, kw: dict[str, Any]) -> Callable[..., torch.Tensor]:
@@ -124,7 +114,7 @@ def test_excluded_cases_go_through_convgrad(what: str, x: torch.Tensor, w: torch
     """Mutant: _native_throughout answering True for every native/auto call fails each of these."""
     leaves = [x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()]
     y = cg.conv2d(*leaves, **kw, backend=backend)
-    assert OUR_NODE in _nodes(y), what
+    assert OUR_NODE in graph_node_names(y), what
     if not x.is_complex():  # the Function's gradients are torch's
         pad = kw.get("padding", 0)
         ref_x = F.pad(leaves[0], (0, 2, 1, 0)) if isinstance(pad, tuple) else leaves[0]
@@ -136,7 +126,7 @@ def test_forward_inside_no_weight_gradients_goes_through_convgrad() -> None:
     x, w = _X.clone().requires_grad_(), _W.clone().requires_grad_()
     with cg.no_weight_gradients():
         y = cg.conv2d(x, w, backend="native")
-        assert OUR_NODE in _nodes(y)
+        assert OUR_NODE in graph_node_names(y)
         y.sum().backward()
     assert w.grad is None and x.grad is not None
 
@@ -147,7 +137,7 @@ def test_no_weight_gradients_acts_on_a_shortcut_graph_built_outside(backend: str
     the Function. Mutant: no post-hook on the shortcut's node (the weight gets a gradient)."""
     x, w, b = _X.clone().requires_grad_(), _W.clone().requires_grad_(), torch.randn(4, dtype=F64, requires_grad=True)
     y = cg.conv2d(x, w, b, padding=1, backend=backend)
-    assert TORCH_NODE in _nodes(y)
+    assert TORCH_NODE in graph_node_names(y)
     with cg.no_weight_gradients():
         y.square().sum().backward(retain_graph=True)
     assert w.grad is None and x.grad is not None and b.grad is not None
@@ -173,12 +163,12 @@ def tuning(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_auto_takes_the_shortcut_once_settled_on_native(tuning: Any) -> None:
     x, w = _X.clone().requires_grad_(), _W.clone().requires_grad_()
     first = cg.conv2d(x, w, stride=2)
-    assert OUR_NODE in _nodes(first)  # the first call tunes, through the Function
+    assert OUR_NODE in graph_node_names(first)  # the first call tunes, through the Function
     first.sum().backward()
-    assert TORCH_NODE in _nodes(cg.conv2d(x, w, stride=2))
-    assert OUR_NODE in _nodes(cg.conv2d(x.detach(), w, stride=2))  # another gradient (grad_weight alone): untuned
+    assert TORCH_NODE in graph_node_names(cg.conv2d(x, w, stride=2))
+    assert OUR_NODE in graph_node_names(cg.conv2d(x.detach(), w, stride=2))  # grad_weight alone: untuned
     auto.clear()
-    assert OUR_NODE in _nodes(cg.conv2d(x, w, stride=2))  # forgotten: tuned again
+    assert OUR_NODE in graph_node_names(cg.conv2d(x, w, stride=2))  # forgotten: tuned again
 
 
 def test_a_native_choice_watched_for_drift_goes_through_convgrad(tuning: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,12 +177,12 @@ def test_a_native_choice_watched_for_drift_goes_through_convgrad(tuning: Any, mo
     monkeypatch.setattr(auto_cache, "DRIFT_MIN_S", 0.0)
     x, w = _X.clone().requires_grad_(), _W.clone().requires_grad_()
     cg.conv2d(x, w).sum().backward()
-    assert OUR_NODE in _nodes(cg.conv2d(x, w))
+    assert OUR_NODE in graph_node_names(cg.conv2d(x, w))
     spec = ConvSpec.from_shapes(x.shape, w.shape, fn="conv2d")
     assert not auto.AutoBackend._settled_on_native(spec, "both", torch.ones(spec.output_shape, dtype=F64))
     monkeypatch.setattr(auto_cache, "DRIFT_MIN_S", float("inf"))
     auto._choices.remember(auto._key(spec, "both", x), auto._choices[auto._key(spec, "both", x)])  # a change
-    assert TORCH_NODE in _nodes(cg.conv2d(x, w))
+    assert TORCH_NODE in graph_node_names(cg.conv2d(x, w))
     assert auto.AutoBackend._settled_on_native(spec, "both", torch.ones(spec.output_shape, dtype=F64))
 
 
@@ -202,11 +192,11 @@ def test_auto_settled_on_another_backend_goes_through_convgrad(tuning: Any) -> N
     spec = ConvSpec.from_shapes(x.shape, w.shape, fn="conv2d")
     key = auto._key(spec, "both", x)
     assert auto._choices[key].backend == "native"
-    assert TORCH_NODE in _nodes(cg.conv2d(x, w))
+    assert TORCH_NODE in graph_node_names(cg.conv2d(x, w))
     auto._choices.remember(key, auto.Choice("fwdconv", {}))
-    assert OUR_NODE in _nodes(cg.conv2d(x, w))
+    assert OUR_NODE in graph_node_names(cg.conv2d(x, w))
     auto._choices.remember(key, auto.Choice("native", {}, pending=("native", "fwdconv")))  # still comparing
-    assert OUR_NODE in _nodes(cg.conv2d(x, w))
+    assert OUR_NODE in graph_node_names(cg.conv2d(x, w))
 
 
 # ---- a module's memo of its last validation ----------------------------------------------------------------------
@@ -222,11 +212,12 @@ def test_module_memo_follows_every_change_of_the_call() -> None:
     with pytest.raises(TypeError, match=r"Conv2d: weight\.dtype=torch\.float64 does not match input\.dtype="
                                         r"torch\.float32"):
         m(x.float())
-    assert OUR_NODE in _nodes(m(torch.randn(1, 4, 5, 5, dtype=F64, requires_grad=True)[..., :4]))  # not contiguous
+    sliced = torch.randn(1, 4, 5, 5, dtype=F64, requires_grad=True)[..., :4]  # not contiguous
+    assert OUR_NODE in graph_node_names(m(sliced))
     m.backend = "fwdconv"
-    assert OUR_NODE in _nodes(m(x.requires_grad_()))
+    assert OUR_NODE in graph_node_names(m(x.requires_grad_()))
     m.backend = "native"
-    assert TORCH_NODE in _nodes(m(x))
+    assert TORCH_NODE in graph_node_names(m(x))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert m.float()(x.float()).dtype == torch.bfloat16
     assert m(x.float()).dtype == torch.float32
@@ -236,13 +227,13 @@ def test_module_memo_under_no_weight_gradients_and_auto_modes(tuning: Any) -> No
     m = cg.nn.Conv2d(4, 4, 3, dtype=F64)
     x = _X.clone().requires_grad_()
     with auto.tuning_mode("fixed"):
-        assert TORCH_NODE in _nodes(m(x))
-        assert TORCH_NODE in _nodes(m(x))  # the memo
+        assert TORCH_NODE in graph_node_names(m(x))
+        assert TORCH_NODE in graph_node_names(m(x))  # the memo
         with cg.no_weight_gradients():
-            assert OUR_NODE in _nodes(m(x))
-    assert OUR_NODE in _nodes(m(x))  # tune mode, nothing tuned: the memo of fixed mode does not serve
+            assert OUR_NODE in graph_node_names(m(x))
+    assert OUR_NODE in graph_node_names(m(x))  # tune mode, nothing tuned: the memo of fixed mode does not serve
     m(x).sum().backward()
-    assert TORCH_NODE in _nodes(m(x))
+    assert TORCH_NODE in graph_node_names(m(x))
 
 
 def test_module_memo_is_not_copied_nor_pickled() -> None:
@@ -260,7 +251,7 @@ def test_patched_torch_module_takes_the_shortcut() -> None:
     twin = cg.unpatch(copy.deepcopy(m))
     for _ in range(2):  # the second call through the memo
         y = m(_X)
-        assert TORCH_NODE in _nodes(y) and OUR_NODE not in _nodes(y)
+        assert TORCH_NODE in graph_node_names(y) and OUR_NODE not in graph_node_names(y)
         assert torch.equal(y, twin(_X))
 
 

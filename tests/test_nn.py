@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import convgrad as cg
-from helpers import TOL, assert_matches_autograd
+from helpers import TOL, assert_matches_autograd, graph_node_names
 
 # torch's reference convs warn about their own copy for an even kernel with 'same'
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel:UserWarning")
@@ -37,17 +37,6 @@ CONFIGS: list[tuple[bool, dict[str, Any]]] = [
     (True, dict(stride=2, dilation=3, output_padding=2, bias=False)),
 ]
 
-
-def _graph_names(t: torch.Tensor) -> set[str]:
-    """Names of every autograd node behind t."""
-    seen, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo += [nxt for nxt, _ in node.next_functions]
-    return {type(node).__name__ for node in seen}
 
 
 def _pair(n: int, transposed: bool, kw: dict[str, Any], backend: str = "auto", k: int = 4) -> tuple[nn.Module, Any]:
@@ -246,7 +235,7 @@ def test_patched_model_gradients_equal_unpatched(backend: str) -> None:
     assert all(m.backend == backend for m in model if isinstance(m, nn.modules.conv._ConvNd))
     got = _param_grads(model, X)
     assert_matches_autograd(got, expected, DT, f"patched {backend}")
-    assert "ConvFunctionBackward" in _graph_names(model(X))
+    assert "ConvFunctionBackward" in graph_node_names(model(X))
 
 
 def test_patch_keeps_modules_parameters_hooks_and_optimizer() -> None:
@@ -267,7 +256,7 @@ def test_patch_keeps_modules_parameters_hooks_and_optimizer() -> None:
         o.step()
     assert calls == ["forward", "weight"]
     assert_matches_autograd(dict(model.named_parameters()), dict(twin.named_parameters()), DT, "after one step")
-    assert "ConvFunctionBackward" in _graph_names(model(X))
+    assert "ConvFunctionBackward" in graph_node_names(model(X))
 
 
 def test_unpatch_restores_classes() -> None:
@@ -276,7 +265,7 @@ def test_unpatch_restores_classes() -> None:
     cg.unpatch(cg.patch(cg.patch(model, backend="fwdconv"), backend="native"))
     assert [type(m) for m in model.modules()] == classes
     assert not any("backend" in vars(m) for m in model.modules())
-    assert "ConvFunctionBackward" not in _graph_names(model(X))
+    assert "ConvFunctionBackward" not in graph_node_names(model(X))
 
 
 def test_patch_sets_backend_of_convgrad_modules_and_unpatch_leaves_them() -> None:
@@ -307,7 +296,7 @@ def test_patch_with_parametrizations(norm: Any, patch_first: bool) -> None:
     expected = _param_grads(twin, X)
     got = _param_grads(model, X)
     assert_matches_autograd(got, expected, DT, f"{norm.__name__} patch_first={patch_first}")
-    assert "ConvFunctionBackward" in _graph_names(model(X))
+    assert "ConvFunctionBackward" in graph_node_names(model(X))
     parametrize.remove_parametrizations(model[0], "weight")  # restores the class below it: still patched
     assert isinstance(model[0], cg.nn.Conv2d) and not parametrize.is_parametrized(model[0])
     assert type(cg.unpatch(model)[0]) is nn.Conv2d
