@@ -11,10 +11,13 @@ from convgrad.spec import (
     ConvSpec,
     check_bias_sizes,
     check_output_mask,
+    output_rows,
     pad_split,
     pad_then_crop,
     padded_sizes,
+    phase_data_rows,
     same_padding,
+    strided_crop,
     tap_rows,
 )
 from helpers import grid_cases, random_cases, reference_forward
@@ -252,9 +255,9 @@ def test_pad_split_matches_the_builders_formula_and_pads_exactly(lo: int, hi: in
     grow = max(lo, hi, 0), start = grow - max(lo, 0), crops = (min(lo, 0), min(hi, 0)); it must agree with that
     formula, and cropping by crops, padding grow on both sides and skipping start rows must give the rows padded
     by (lo, hi), followed only by surplus rows."""
-    grow, start, crops = pad_split([(lo, hi), (hi, lo)])
-    for (a, b), g, s, c in zip([(lo, hi), (hi, lo)], grow, start, crops):
-        assert (g, s, c) == (max(a, b, 0), max(a, b, 0) - max(a, 0), (min(a, 0), min(b, 0)))
+    grow, start, crops, surplus = pad_split([(lo, hi), (hi, lo)])
+    for (a, b), g, s, c, u in zip([(lo, hi), (hi, lo)], grow, start, crops, surplus):
+        assert (g, s, c, u) == (max(a, b, 0), max(a, b, 0) - max(a, 0), (min(a, 0), min(b, 0)), g - max(b, 0))
         rows = torch.arange(1.0, 9.0)
         want = torch.nn.functional.pad(rows[max(-a, 0): len(rows) - max(-b, 0)], (max(a, 0), max(b, 0)))
         cropped = rows[-c[0]: len(rows) + c[1]]
@@ -262,6 +265,59 @@ def test_pad_split_matches_the_builders_formula_and_pads_exactly(lo: int, hi: in
         assert torch.equal(got[: len(want)], want)
         assert len(got) - len(want) == g - max(b, 0)  # the surplus rows a conv's output never reads
         assert padded_sizes([len(rows)], [(a, b)]) == (len(want),)
+
+
+@pytest.mark.parametrize("lo", PAD_VALUES)
+@pytest.mark.parametrize("hi", PAD_VALUES)
+def test_pad_split_conv_rows_and_offset_match_the_phase_convs_old_formula(lo: int, hi: int) -> None:
+    """PadSplit.conv_rows and .offset replaced fwdconv.grad_input._phase_conv's inline rows + start + grow - max(hi, 0)
+    and start - grow; they must agree with that formula and be the output extent of a stride-1 conv (dilation
+    1..2, 1..3 taps) of the cropped rows padded by grow, whose rows start..start+rows-1 are the wanted ones."""
+    split = pad_split([(lo, hi), (hi, lo)])
+    for rows in range(0, 6):
+        old = tuple(rows + b + p - max(h, 0) for b, p, (_, h) in zip(split.start, split.grow, [(lo, hi), (hi, lo)]))
+        assert split.conv_rows((rows, rows)) == old
+    assert split.offset == tuple(b - q for b, q in zip(split.start, split.grow)) == (-max(lo, 0), -max(hi, 0))
+    for size in range(4, 9):
+        for taps in range(1, 4):
+            for dil in (1, 2):
+                wanted = output_rows(size, taps, 1, dil, (lo, hi))
+                cropped = padded_sizes([size], [split.crops[0]])[0]
+                if wanted < 0 or cropped < 0:
+                    continue
+                got = output_rows(cropped, taps, 1, dil, (split.grow[0], split.grow[0]))
+                assert split.conv_rows((wanted, 0))[0] == got, (size, taps, dil)
+
+
+def test_strided_crop_matches_the_weight_plans_old_formula_and_keeps_the_wanted_rows() -> None:
+    """strided_crop replaced fwdconv.grad_weight._x_pads' inline (-(e // d), -(m - e // d - k)): over a grid it must
+    agree, and cropping range(rows) by it must leave the k rows after the first e/d."""
+    for step in range(1, 4):
+        for start in range(0, 3 * step + 1, step):
+            for rows in range(0, 9):
+                for wanted in range(0, rows - start // step + 1):
+                    lo, hi = strided_crop(start, step, rows, wanted)
+                    assert (lo, hi) == (-(start // step), -(rows - start // step - wanted))
+                    kept = list(range(rows))[-lo: rows + hi]
+                    assert kept == list(range(start // step, start // step + wanted)), (start, step, rows, wanted)
+
+
+def test_phase_data_rows_match_stride_to_depths_old_formula_and_brute_force() -> None:
+    """phase_data_rows replaced fwdconv.grad_weight.StrideToDepth._rows' inline m0, h0, count: over a grid it must
+    agree with that formula and with brute force (phase row m is x row s*m + rho - lo when 0 <= it < size)."""
+    for s in range(1, 4):
+        for rho in range(s):
+            for lo in range(-3, 4):
+                for size in range(0, 7):
+                    for rows in range(0, 6):
+                        first, count, data_first = phase_data_rows(size, rows, s, rho, lo)
+                        m0 = max(0, -((rho - lo) // s))
+                        h0 = s * m0 + rho - lo
+                        assert (first, count, data_first) == (m0, max(0, min(rows - m0, len(range(h0, size, s)))), h0)
+                        inside = [m for m in range(rows) if 0 <= s * m + rho - lo < size]
+                        assert list(range(first, first + count)) == inside, (s, rho, lo, size, rows)
+                        if inside:
+                            assert data_first == s * first + rho - lo
 
 
 @pytest.mark.parametrize("lo", PAD_VALUES)

@@ -39,7 +39,9 @@ from convgrad.spec.formulation import output_rows as output_rows
 from convgrad.spec.formulation import pad_split as pad_split
 from convgrad.spec.formulation import pad_then_crop as pad_then_crop
 from convgrad.spec.formulation import padded_sizes as padded_sizes
+from convgrad.spec.formulation import phase_data_rows as phase_data_rows
 from convgrad.spec.formulation import phase_taps as phase_taps
+from convgrad.spec.formulation import strided_crop as strided_crop
 from convgrad.spec.geometry import ConvSpec
 
 # The public API (tests/api_snapshot.json); the names imported ``as`` themselves above are importable too.

@@ -15,8 +15,9 @@ from typing import NamedTuple
 from convgrad.spec.arguments import Pair
 
 __all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "leftover_rows", "output_rows",
-           "pad_split", "pad_then_crop", "padded_sizes", "phase_taps", "smooth_size", "stride_phase", "subpixel_dim",
-           "tap_reads_only_padding", "tap_rows", "transposed_output_rows"]
+           "pad_split", "pad_then_crop", "padded_sizes", "phase_data_rows", "phase_taps", "smooth_size",
+           "stride_phase", "strided_crop", "subpixel_dim", "tap_reads_only_padding", "tap_rows",
+           "transposed_output_rows"]
 
 
 def output_rows(i: int, k: int, s: int, d: int, pads: Pair) -> int:
@@ -184,37 +185,83 @@ def tap_rows(size: int, rows: int, offset: int, reach: int) -> tuple[int, int, i
     return first, stop, first + offset + reach
 
 
-
-
 class PadSplit(NamedTuple):
     """Per-dim pads (lo, hi) of one operand, split for a conv that can only pad symmetrically (one int per dim).
 
     The conv pads ``grow`` = max(lo, hi, 0) on both sides; its output then starts ``start`` = grow - max(lo, 0)
-    rows early (the surplus rows the wanted pads did not ask for are skipped). The negative parts, ``crops`` =
-    (min(lo, 0), min(hi, 0)), are cropped from the operand before the conv (a view, never a copy).
+    rows early and ends ``surplus`` = grow - max(hi, 0) rows late (the rows the wanted pads did not ask for,
+    skipped). The negative parts, ``crops`` = (min(lo, 0), min(hi, 0)), are cropped from the operand before the
+    conv (a view, never a copy).
     """
 
     grow: tuple[int, ...]
     start: tuple[int, ...]
     crops: tuple[Pair, ...]
+    surplus: tuple[int, ...]
+
+    @property
+    def offset(self) -> tuple[int, ...]:
+        """Per dim, the row of the cropped operand that the wanted output's row 0 reads at tap 0: -max(lo, 0)
+        (negative: padding), as ``tap_rows`` takes it."""
+        return tuple(s - q for s, q in zip(self.start, self.grow))
+
+    def conv_rows(self, rows: Iterable[int]) -> tuple[int, ...]:
+        """Per dim, the output rows of the stride-1 conv padding ``grow``, when the operand padded by the wanted
+        (lo, hi) gives ``rows``: ``start`` more before and ``surplus`` more after.
+
+        Examples:
+            >>> pad_split([(2, -1), (0, 3)]).conv_rows((5, 5))   # 5 + 0 before + 2 after; 5 + 3 before + 0 after
+            (7, 8)
+        """
+        return tuple(r + b + a for r, b, a in zip(rows, self.start, self.surplus))
 
 
 def pad_split(pads: Iterable[Pair]) -> PadSplit:
-    """Split (lo, hi) pads per dim into a symmetric conv padding, the rows it adds before, and a crop.
+    """Split (lo, hi) pads per dim into a symmetric conv padding, the rows it adds before and after, and a crop.
 
     Padding by ``crops``, then by ``grow`` on both sides, then dropping ``start`` rows before gives exactly the
-    operand padded by ``pads``, followed by ``grow - max(hi, 0)`` surplus rows after (``max(lo, hi, 0) -
-    max(hi, 0)``), which a conv's output rows never need to read.
+    operand padded by ``pads``, followed by ``surplus`` = ``grow - max(hi, 0)`` rows after, which a conv's output
+    rows never need to read.
 
     Examples:
         >>> pad_split([(2, -1), (-3, 1), (0, 0)])
-        PadSplit(grow=(2, 1, 0), start=(0, 1, 0), crops=((0, -1), (-3, 0), (0, 0)))
+        PadSplit(grow=(2, 1, 0), start=(0, 1, 0), crops=((0, -1), (-3, 0), (0, 0)), surplus=(2, 0, 0))
     """
     pairs = tuple(pads)
     grow = tuple(max(lo, hi, 0) for lo, hi in pairs)
     start = tuple(q - max(lo, 0) for q, (lo, _) in zip(grow, pairs))
     crops = tuple((min(lo, 0), min(hi, 0)) for lo, hi in pairs)
-    return PadSplit(grow, start, crops)
+    surplus = tuple(q - max(hi, 0) for q, (_, hi) in zip(grow, pairs))
+    return PadSplit(grow, start, crops, surplus)
+
+
+def strided_crop(start: int, step: int, rows: int, wanted: int) -> Pair:
+    """The crop (lo, hi), as negative pads, of one dim of a conv's output that reads its operand with ``start``
+    surplus rows before (a multiple of the conv's stride ``step``) and gives ``rows`` rows, of which the
+    ``wanted`` ones follow the first start/step.
+
+    Examples:
+        >>> strided_crop(start=4, step=2, rows=7, wanted=3)   # rows 2, 3, 4 of 0..6
+        (-2, -2)
+    """
+    return -(start // step), -(rows - start // step - wanted)
+
+
+def phase_data_rows(size: int, rows: int, s: int, rho: int, lo: int) -> tuple[int, int, int]:
+    """Which rows of phase rho (the rows rho, rho + s, ... of x padded by ``lo`` before) are rows of x, along one
+    dim: phase row m is padded row s*m + rho, i.e. x row h = s*m + rho - lo, for m < ``rows``; x has ``size`` rows.
+
+    Returns:
+        ``(first, count, data_first)``: the phase rows first..first+count-1 are x's rows data_first,
+        data_first + s, ...; ``count`` is 0 when none is.
+
+    Examples:
+        >>> phase_data_rows(size=5, rows=3, s=2, rho=0, lo=1)   # padded rows 0, 2, 4 are x rows -1, 1, 3
+        (1, 2, 1)
+    """
+    first = max(0, -((rho - lo) // s))  # the first phase row inside x: s*first + rho - lo >= 0
+    data_first = s * first + rho - lo
+    return first, max(0, min(rows - first, len(range(data_first, size, s)))), data_first
 
 
 def subpixel_dim(rows: int, o: int, dim: tuple[PhaseTaps | None, ...]) -> tuple[int, Pair, tuple[int, ...]] | None:

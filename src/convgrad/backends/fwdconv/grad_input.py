@@ -153,12 +153,11 @@ def _phase_conv(taps: list[PhaseTaps], groups: int, rows: Shape, y_size: Shape,
     nd = len(taps)
     if all(t.count == 1 for t in taps):  # one tap: a (grouped) matmul after shifting y
         return MatMul(groups, True, rows), pads, (0,) * nd
-    grow, start, crops = pad_split(pads)  # the conv pads symmetrically; its surplus rows are skipped
+    split = pad_split(pads)  # the conv pads symmetrically; its surplus rows are skipped
     if depthwise and math.prod(t.count for t in taps) <= TAPS_MAX_PHASE_TAPS:
-        return _depthwise_taps(taps, rows, y_size, crops, tuple(b - q for b, q in zip(start, grow))), crops, (0,) * nd
-    conv_rows = tuple(r + b + p - max(hi, 0) for r, b, p, (_, hi) in zip(rows[2:], start, grow, pads))
-    conv = Conv((1,) * nd, grow, tuple(t.dilation for t in taps), groups, (*rows[:2], *conv_rows))
-    return conv, crops, start
+        return _depthwise_taps(taps, rows, y_size, split.crops, split.offset), split.crops, (0,) * nd
+    conv = Conv((1,) * nd, split.grow, tuple(t.dilation for t in taps), groups, (*rows[:2], *split.conv_rows(rows[2:])))
+    return conv, split.crops, split.start
 
 
 def _depthwise_taps(taps: list[PhaseTaps], rows: Shape, y_size: Shape, crops: tuple[Pair, ...],
@@ -204,7 +203,7 @@ def _subpixel_plan(spec: ConvSpec, gradient: str, data: str, reason: str = "") -
     fused, pads, offsets = zip(*geometry)
     p = math.prod(spec.stride)
     kernel_steps = (*_grad_x_kernel_steps(spec), SubpixelKernel(g, spec.phases, offsets, (p * cx, cy // g, *fused)))
-    grow, start, crops = pad_split(pads)  # symmetric conv padding; the surplus rows are skipped
+    grow, start, crops, _ = pad_split(pads)  # symmetric conv padding; the surplus rows are skipped
     cropped = (n_, cy, *padded_sizes(spec.y_size, crops))
     if any(c < 1 for c in cropped[2:]):  # the crop alone would empty y: pad it explicitly instead
         grow, start, crops = (0,) * nd, (0,) * nd, tuple(pads)

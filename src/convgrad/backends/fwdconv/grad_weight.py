@@ -35,7 +35,7 @@ from convgrad.backends.fwdconv.steps import (
     pad_or_fold,
 )
 from convgrad.errors import ConvgradValueError, MethodRefused
-from convgrad.spec import ConvSpec, Pair, Shape, output_rows, pad_split, padded_sizes
+from convgrad.spec import ConvSpec, Pair, Shape, output_rows, pad_split, padded_sizes, phase_data_rows, strided_crop
 from convgrad.tensor_ops import ONEDNN_DTYPES, batched_like, channels_innermost, sliced
 
 __all__ = ["BUILDERS", "ONEDNN_DTYPES", "PER_SAMPLE_MAX_BATCH", "PER_SAMPLE_MAX_CHANNELS", "TAPS_MAX_ELEMENTS",
@@ -141,9 +141,7 @@ class StrideToDepth:
         """Where phase rho's rows of x go (rows m of the phase) and which rows of x they are (h = s*m + rho - lo)."""
         dst, src = [], []
         for r, s, (lo, _), u, i in zip(rho, self.stride, self.pads, self.shape[2:], size):
-            m0 = max(0, -((r - lo) // s))  # the first phase row inside x: s*m0 + r - lo >= 0
-            h0 = s * m0 + r - lo
-            count = max(0, min(u - m0, len(range(h0, i, s))))
+            m0, count, h0 = phase_data_rows(i, u, s, r, lo)
             dst.append(slice(m0, m0 + count))
             src.append(slice(h0, h0 + s * (count - 1) + 1 if count else h0, s))
         return tuple(dst), tuple(src)
@@ -240,14 +238,14 @@ def _x_pads(spec: ConvSpec) -> tuple[tuple[Step, ...], Shape, Shape, tuple[Pair,
     """
     shape = (spec.batch, spec.x_channels)
     pads = spec.x_read_pads
-    grow, extra, crops = pad_split(pads)
+    grow, extra, crops, _ = pad_split(pads)
     size = padded_sizes(spec.x_size, crops)
     if any(e % d for e, d in zip(extra, spec.dilation)) or any(n < 1 for n in size):  # or the crop empties x
         steps, conv_pad, padded = pad_or_fold(pads, (*shape, *spec.x_size), (*shape, *spec.x_read_size))
         return tuple(steps), padded, conv_pad, ((0, 0),) * spec.n
     out = tuple(output_rows(n, o, d, s, (g, g))  # a conv of stride d, dilation s and o taps
                 for n, g, s, o, d in zip(size, grow, spec.stride, spec.y_size, spec.dilation))
-    crop_out = tuple((-(e // d), -(m - e // d - k)) for e, d, m, k in zip(extra, spec.dilation, out, spec.kernel_size))
+    crop_out = tuple(strided_crop(e, d, m, k) for e, d, m, k in zip(extra, spec.dilation, out, spec.kernel_size))
     steps = (Pad(crops, (*shape, *size)),) if any(lo or hi for lo, hi in crops) else ()
     return steps, (*shape, *size), grow, crop_out
 
