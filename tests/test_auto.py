@@ -22,6 +22,7 @@ import convgrad as cg
 from convgrad import backends as backends_package
 from convgrad import tuning
 from convgrad.backends import _REGISTRY, Backend, auto, get_backend
+from convgrad.cli import bench
 from convgrad.spec import ConvSpec
 from convgrad.tuning import modes, store, tuner
 from helpers import Case, assert_matches_autograd, make_tensors, reference_grads
@@ -542,6 +543,7 @@ from convgrad.backends import Backend, get_backend, register
 @register
 class ToyBackend(Backend):
     name = "toy"
+    bench_by_default = True
 
     def can_serve(self, spec, like):
         return spec.groups == 2  # a rule of its own: only grouped layers
@@ -556,15 +558,17 @@ class ToyBackend(Backend):
 
 def test_a_backend_in_one_file_with_the_decorator_is_raced_by_auto(tune: None, tmp_path: Any,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Adding a backend is one file and ``@register``: no list in backends/__init__.py or auto to edit. Auto
-    races it where its ``can_serve`` lets it in, and nowhere else. Mutant: auto's old hand-kept CANDIDATES tuple
-    never raced it."""
+    """Adding a backend is one file and ``@register``: no list in backends/__init__.py, auto or the bench to edit.
+    Auto races it where its ``can_serve`` lets it in, and nowhere else; ``convgrad bench`` times it by default as
+    its ``bench_by_default`` says. Mutants: auto's old hand-kept CANDIDATES tuple never raced it; the bench's old
+    hand-kept DEFAULT_BACKENDS never timed it."""
     (tmp_path / "toy_backend.py").write_text(TOY)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(backends_package, "_REGISTRY", dict(_REGISTRY))  # the toy leaves with the test
     monkeypatch.delitem(sys.modules, "toy_backend", raising=False)
     importlib.import_module("toy_backend")
     assert "toy" in cg.backends()
+    assert "toy" in bench.default_backends()
     grouped, plain = CASES[1], CASES[0]  # groups=2, groups=1
     for case, raced in ((grouped, True), (plain, False)):
         t = make_tensors(case)

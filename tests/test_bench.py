@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from convgrad import cli
+from convgrad.cli import bench
 from convgrad.cli.bench import layers, report, timing
 
 REQUIRED = {  # the default suite: layer name -> network
@@ -34,6 +35,15 @@ def test_default_suite_has_every_layer_the_issue_lists() -> None:
     assert spec["dcgan.convT4x4s2"].transposed and spec["unet.upconv2x2"].transposed
     assert layers.select("default", dtype="float64") and all(layer.float64 for layer in layers.select(
         "default", dtype="float64"))
+
+
+def test_default_backends_come_from_the_registry_as_the_old_hand_kept_list_did() -> None:
+    """The backends timed without --backends are those whose class declares ``bench_by_default``: the set the
+    hand-kept DEFAULT_BACKENDS held (numpy: too slow; fft: timed by the ``large`` suite), auto last. Mutant:
+    ``bench_by_default = True`` on Backend itself times numpy and fft too."""
+    names = bench.default_backends()
+    assert set(names) == {"fwdconv", "gemm", "channels_last", "regroup", "chunked", "auto"}
+    assert names[-1] == "auto" and "native" not in names
 
 
 def test_select_refuses_unknown_suites_and_patterns_that_match_nothing() -> None:

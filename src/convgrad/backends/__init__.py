@@ -47,6 +47,9 @@ class Backend(ABC):
     # built from torch ops: autograd sees through it (second derivatives) and so do torch.func's transforms
     differentiable: ClassVar[bool] = True
     supports_complex: ClassVar[bool] = False
+    # timed by `convgrad bench` when no --backends is given; off by default, so a backend meant for some layers
+    # only (numpy, fft: the `large` suite) is not timed on every layer of the suite
+    bench_by_default: ClassVar[bool] = False
 
     def can_serve(self, spec: ConvSpec, like: torch.Tensor) -> bool:
         """Whether "auto" should race this backend for this layer on tensors like ``like`` (grad_output, or the

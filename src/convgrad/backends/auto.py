@@ -299,6 +299,7 @@ class AutoBackend(Backend):
 
     name = "auto"
     supports_complex = True
+    bench_by_default = True
 
     def backward(self, spec, grad_output, input, weight, need_input, need_weight):  # type: ignore[no-untyped-def]
         if need_input and need_weight and self._settled_on_native(spec, "both", grad_output):

@@ -163,6 +163,7 @@ class ChannelsLastBackend(FusedBackend):
 
     name = "channels_last"
     supports_complex = True
+    bench_by_default = True
 
     @staticmethod
     def can_serve(spec: ConvSpec, like: torch.Tensor) -> bool:

@@ -145,6 +145,7 @@ class ChunkedBackend(FusedBackend):
 
     name = "chunked"
     supports_complex = True
+    bench_by_default = True
 
     @staticmethod
     def can_serve(spec: ConvSpec, like: torch.Tensor) -> bool:

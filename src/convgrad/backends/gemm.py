@@ -173,6 +173,7 @@ class GemmBackend(FusedBackend):
     """
 
     name = "gemm"
+    bench_by_default = True
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES
 
     def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,

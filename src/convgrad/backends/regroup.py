@@ -141,6 +141,7 @@ class RegroupBackend(FusedBackend):
     """PyTorch's kernels with the groups merged into groups of 16 channels (see the module docstring)."""
 
     name = "regroup"
+    bench_by_default = True
 
     @staticmethod
     def can_serve(spec: ConvSpec, like: torch.Tensor) -> bool:

@@ -62,6 +62,7 @@ class FwdConvBackend(Backend):
 
     name = "fwdconv"
     supports_complex = True
+    bench_by_default = True
 
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         # torch's complex convention: the gradient pairs grad_output with conj(weight) (a no-op for real dtypes)

@@ -40,10 +40,8 @@ from typing import Any
 from convgrad.cli import console as cli_console
 from convgrad.errors import ConvgradValueError
 
-__all__ = ["DEFAULT_BACKENDS", "add_arguments", "keep_malloc", "run"]
+__all__ = ["add_arguments", "default_backends", "keep_malloc", "run"]
 
-# plus native, always; numpy: too slow
-DEFAULT_BACKENDS = ("fwdconv", "gemm", "channels_last", "regroup", "chunked", "auto")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
@@ -55,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="print the layers the run would time, then exit")
     parser.add_argument("--layers", nargs="+", metavar="PATTERN", help="only layers whose name matches a glob")
     parser.add_argument("--backends", nargs="+", metavar="NAME",
-                        help=f"backends to time besides native (default: those of {', '.join(DEFAULT_BACKENDS)} "
-                             f"that are registered)")
+                        help="backends to time besides native (default: every registered backend that declares "
+                             "bench_by_default)")
     parser.add_argument("--dtype", nargs="+", default=["float32"], choices=DTYPES, metavar="DTYPE",
                         help="dtypes; float64 runs the suite's float64 subset unless --layers is given "
                              "(default: float32)")
@@ -72,8 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no tables")
 
 
-def _check(args: argparse.Namespace) -> list[str]:
+def default_backends() -> list[str]:
+    """The backends timed when no --backends is given: every registered one whose class sets ``bench_by_default``
+    (native is timed always, as the reference), auto last, after the backends it chooses among."""
     from convgrad.backends import backend_names, get_backend
+
+    return sorted((b for b in backend_names() if get_backend(b).bench_by_default), key=lambda b: b == "auto")
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    from convgrad.backends import get_backend
 
     for name, low in (("threads", 1), ("repeats", 1)):
         value = getattr(args, name)
@@ -81,7 +87,7 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise ConvgradValueError(f"convgrad bench: --{name}={value} must be at least {low}")
     if args.min_time < 0:
         raise ConvgradValueError(f"convgrad bench: --min-time={args.min_time} must not be negative")
-    wanted = args.backends or [b for b in DEFAULT_BACKENDS if b in backend_names()]
+    wanted = args.backends or default_backends()
     for b in wanted:
         get_backend(b, "convgrad bench")
     return ["native", *dict.fromkeys(b for b in wanted if b != "native")]
