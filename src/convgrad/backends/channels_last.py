@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from convgrad.backends import FusedBackend, Grads, get_backend, register
+from convgrad.backends.native import NativeBackward
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import CHANNELS_LAST, ONEDNN_DTYPES, is_channels_last, plain
 
@@ -58,20 +59,6 @@ class ToChannelsLast:
 
     def describe(self) -> str:
         return "copy input, weight and grad_output into channels-last memory (NHWC / NDHWC)"
-
-
-@dataclass(frozen=True)
-class NativeBackward:
-    """aten.convolution_backward on the channels-last operands: oneDNN's direct kernels for this layout."""
-
-    spec: ConvSpec  # the convolution it runs (2d for a 1d conv)
-
-    def __call__(self, grad_output: torch.Tensor, input: torch.Tensor | None, weight: torch.Tensor | None,
-                 need_input: bool, need_weight: bool) -> Grads:
-        return get_backend("native").backward(self.spec, grad_output, input, weight, need_input, need_weight)
-
-    def describe(self) -> str:
-        return f"aten.convolution_backward of {self.spec.describe()}, channels-last"
 
 
 @dataclass(frozen=True)
@@ -122,7 +109,9 @@ def plan(spec: ConvSpec) -> LayoutPlan:
     unit_dim = spec.n == 1
     run = spec.with_leading_unit_dim() if unit_dim else spec
     prepare = (AddUnitDim(), ToChannelsLast()) if unit_dim else (ToChannelsLast(),)
-    return LayoutPlan(spec, prepare, NativeBackward(run), RestoreLayout(unit_dim))
+    # aten.convolution_backward on the channels-last operands: oneDNN's direct kernels for this layout
+    return LayoutPlan(spec, prepare, NativeBackward(run, f"of {run.describe()}, channels-last"),
+                      RestoreLayout(unit_dim))
 
 
 def execute(p: LayoutPlan, grad_output: torch.Tensor, input: torch.Tensor | None, weight: torch.Tensor | None,

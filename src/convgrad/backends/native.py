@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from convgrad.backends import FusedBackend, Grads, register
+from convgrad.backends import FusedBackend, Grads, get_backend, register
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import crop, pad, placeholder
 
@@ -95,3 +96,19 @@ class NativeBackend(FusedBackend):
         if gi is not None and not spec.transposed:
             gi = crop(gi, excess)
         return (gi if need_input else None), (gw if need_weight else None)
+
+
+@dataclass(frozen=True)
+class NativeBackward:
+    """The step of a plan that runs this backend on a convolution derived from the user's: channels_last's 2d view
+    of a 1d conv, regroup's merged groups."""
+
+    spec: ConvSpec  # the convolution it runs
+    detail: str  # what sets it apart, for describe()
+
+    def __call__(self, grad_output: torch.Tensor, input: torch.Tensor | None, weight: torch.Tensor | None,
+                 need_input: bool, need_weight: bool) -> Grads:
+        return get_backend("native").backward(self.spec, grad_output, input, weight, need_input, need_weight)
+
+    def describe(self) -> str:
+        return f"aten.convolution_backward {self.detail}"

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from convgrad.backends import FusedBackend, Grads, get_backend, register
+from convgrad.backends import FusedBackend, Grads, register
+from convgrad.backends.native import NativeBackward
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import ONEDNN_DTYPES
 
@@ -84,26 +85,12 @@ class DiagonalBlocks:
 
 
 @dataclass(frozen=True)
-class MergedBackward:
-    """aten.convolution_backward of the convolution with merged groups."""
-
-    spec: ConvSpec  # the merged convolution
-
-    def __call__(self, grad_output: torch.Tensor, input: torch.Tensor | None, weight: torch.Tensor | None,
-                 need_input: bool, need_weight: bool) -> Grads:
-        return get_backend("native").backward(self.spec, grad_output, input, weight, need_input, need_weight)
-
-    def describe(self) -> str:
-        return f"aten.convolution_backward with groups={self.spec.groups}"
-
-
-@dataclass(frozen=True)
 class RegroupPlan:
     """The steps for one convolution: block-diagonal weight (grad_input), merged backward, diagonal blocks."""
 
     spec: ConvSpec
     weight: BlockDiagonal
-    run: MergedBackward
+    run: NativeBackward  # the convolution with merged groups
     blocks: DiagonalBlocks
 
     def describe(self) -> str:
@@ -124,7 +111,8 @@ zeros elsewhere
         3. grad_weight: keep the 2 diagonal blocks of each merged group's weight gradient
     """
     m = merge_factor(spec) if merge is None else merge
-    return RegroupPlan(spec, BlockDiagonal(spec.groups, m), MergedBackward(spec.with_merged_groups(m)),
+    merged = spec.with_merged_groups(m)
+    return RegroupPlan(spec, BlockDiagonal(spec.groups, m), NativeBackward(merged, f"with groups={merged.groups}"),
                        DiagonalBlocks(spec.groups, m))
 
 
