@@ -132,6 +132,18 @@ def test_user_errors_are_one_line_and_exit_2(command: str, argv: list[str], mess
     _assert_one_line_error(proc, command, message)
 
 
+@pytest.mark.parametrize(("argv", "module"), [(["bench", "--suite", "smoke", "--list"], "rich.progress"),
+                                             (["demo", "--epochs", "1"], "rich.console")])
+def test_bench_and_demo_without_the_demo_extras_say_so_in_one_line_and_exit_2(argv: list[str], module: str,
+                                                                             capsys: Any, monkeypatch: Any) -> None:
+    """Both commands ask one helper (cli.demo_extras_missing) before they import rich. Mutant: the helper returning
+    False -> the command goes on and fails on the import."""
+    monkeypatch.setitem(sys.modules, module, None)  # `import rich.x` raises ModuleNotFoundError
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"convgrad {argv[0]}: needs the demo extras ({module} is missing): pip install 'convgrad[demo]'"]
+
+
 def test_model_in_the_current_directory_with_the_console_script(model_dir: Path) -> None:
     """Smoke test, a real process: the `convgrad` script does not put the cwd on sys.path; `--model
     mymodels:small_cnn` must still import."""

@@ -188,6 +188,18 @@ def console(**kwargs: Any) -> Any:
     return _console_class()(**kwargs)
 
 
+def demo_extras_missing(command: str, module: str) -> bool:
+    """Whether the demo extras are missing (``module`` does not import); if so, says so on stderr for ``convgrad
+    command``, which then returns 2."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        print(f"convgrad {command}: needs the demo extras ({err.name} is missing): pip install 'convgrad[demo]'",
+              file=sys.stderr)
+        return True
+    return False
+
+
 def _quiet_stdout() -> None:
     """After a closed pipe: point stdout at devnull, so that the flush at exit does not fail again."""
     try:

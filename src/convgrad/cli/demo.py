@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from convgrad.cli import console as cli_console
+from convgrad.cli import demo_extras_missing
 from convgrad.errors import ConvgradValueError
 
 THRESHOLD = 1e-4  # float32: ~1e-7 per op, summed over a few thousand terms per gradient entry
@@ -43,11 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train, compare, report; 0 if every layer's gradients agree within THRESHOLD, else 1."""
-    try:
-        import rich.console  # noqa: F401 (the demo extras are installed)
-    except ModuleNotFoundError as err:
-        print(f"convgrad demo: needs the demo extras ({err.name} is missing): pip install 'convgrad[demo]'",
-              file=sys.stderr)
+    if demo_extras_missing("demo", "rich.console"):
         return 2
     import torch
 

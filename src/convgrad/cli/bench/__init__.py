@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from convgrad.cli import console as cli_console
+from convgrad.cli import demo_extras_missing
 from convgrad.errors import ConvgradValueError
 
 __all__ = ["add_arguments", "default_backends", "keep_malloc", "run"]
@@ -143,13 +144,10 @@ def _meta(args: argparse.Namespace, device: Any, backends: list[str]) -> dict[st
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and write the reports; 0 on success."""
-    try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    except ModuleNotFoundError as err:
-        print(f"convgrad bench: needs the demo extras ({err.name} is missing): pip install 'convgrad[demo]'",
-              file=sys.stderr)
+    if demo_extras_missing("bench", "rich.progress"):
         return 2
     import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from convgrad.cli.bench import report
     from convgrad.cli.bench.layers import select
