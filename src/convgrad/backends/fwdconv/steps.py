@@ -253,8 +253,6 @@ class SumSamples(Spatially):
         return [f"{v} = {v}.reshape({commas((cxg, self.batch, c_y, *k))}).sum(1)  # add the samples: {self.shape}"]
 
 
-
-
 # ---- row selections and folds --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
