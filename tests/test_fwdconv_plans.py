@@ -304,6 +304,28 @@ def test_phase_taps_are_exactly_the_taps_that_reach_each_row(case: Case) -> None
             assert reach <= taps and all((u + lo - t * d) % s == 0 for t in taps), (dim, u, reach, p)
 
 
+def _execute_checking_shapes(plan: Any, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """``execute``, asserting that every step and the contraction give the shape they declare (the shapes that the
+    recipe's text, script and pictures show, which the computation alone never reads)."""
+    if plan.conv is None:
+        return execute(plan, data, kernel)
+    for path, steps in (("data", plan.data_steps), ("kernel", plan.kernel_steps)):
+        for step in steps:
+            if path == "data":
+                data = step(data)
+                got = data.shape
+            else:
+                kernel = step(kernel)
+                got = kernel.shape
+            assert tuple(got) == tuple(step.shape), (path, step)
+    out = plan.conv(data, kernel)
+    assert tuple(out.shape) == tuple(plan.conv.shape), plan.conv
+    for step in plan.post_steps:
+        out = step(out)
+        assert tuple(out.shape) == tuple(step.shape), step
+    return out
+
+
 def _forced_cases() -> list[Case]:
     return [*PHASE_CASES, *grid_cases()]
 
@@ -322,7 +344,7 @@ def test_every_input_formulation_matches_autograd(case: Case, method: str) -> No
     assert plan.method == ("direct" if method == "zero_insert" and max(spec.stride) == 1 else method)  # no zeros
     t = make_tensors(case)
     gy = t["grad_output"].unsqueeze(0) if spec.unbatched else t["grad_output"]
-    gi = execute(plan, gy, t["weight"])
+    gi = _execute_checking_shapes(plan, gy, t["weight"])
     gi = gi.squeeze(0) if spec.unbatched else gi
     assert_matches_autograd({"grad_input": gi}, reference_grads(case, t), torch.float64, f"{method} {case}")
 
@@ -362,7 +384,7 @@ def test_every_weight_formulation_matches_autograd(case: Case, method: str) -> N
     x, gy = t["input"], t["grad_output"]
     if spec.unbatched:
         x, gy = x.unsqueeze(0), gy.unsqueeze(0)
-    gw = execute(plan, *((gy, x) if spec.transposed else (x, gy)))
+    gw = _execute_checking_shapes(plan, *((gy, x) if spec.transposed else (x, gy)))
     assert_matches_autograd({"grad_weight": gw}, reference_grads(case, t), torch.float64, f"{method} {case}")
 
 

@@ -14,6 +14,7 @@ from convgrad.spec import (
     output_rows,
     pad_split,
     pad_then_crop,
+    pad_to_rows,
     padded_sizes,
     phase_data_rows,
     same_padding,
@@ -300,6 +301,20 @@ def test_strided_crop_matches_the_weight_plans_old_formula_and_keeps_the_wanted_
                     assert (lo, hi) == (-(start // step), -(rows - start // step - wanted))
                     kept = list(range(rows))[-lo: rows + hi]
                     assert kept == list(range(start // step, start // step + wanted)), (start, step, rows, wanted)
+
+
+def test_pad_to_rows_matches_the_blocks_and_stride_phase_old_formulas_and_makes_rows() -> None:
+    """pad_to_rows replaced fwdconv.grad_weight._blocks_plan's inline (lo, hi + u*d - size) and (0, m*d - o), and
+    stride_phase's (lo, hi + s*U - size): over a grid it must agree, keep lo, and pad a dim of size - lo - hi rows
+    to exactly rows rows."""
+    for lo in range(-2, 3):
+        for hi in range(-2, 3):
+            for raw in range(3, 7):
+                padded = raw + lo + hi
+                for rows in range(max(padded - 2, 0), padded + 5):
+                    got = pad_to_rows((lo, hi), padded, rows)
+                    assert got == (lo, hi + rows - padded)
+                    assert got[0] == lo and padded_sizes([raw], [got]) == (rows,), (lo, hi, raw, rows)
 
 
 def test_phase_data_rows_match_stride_to_depths_old_formula_and_brute_force() -> None:

@@ -38,6 +38,7 @@ from convgrad.spec.formulation import PadSplit as PadSplit
 from convgrad.spec.formulation import output_rows as output_rows
 from convgrad.spec.formulation import pad_split as pad_split
 from convgrad.spec.formulation import pad_then_crop as pad_then_crop
+from convgrad.spec.formulation import pad_to_rows as pad_to_rows
 from convgrad.spec.formulation import padded_sizes as padded_sizes
 from convgrad.spec.formulation import phase_data_rows as phase_data_rows
 from convgrad.spec.formulation import phase_taps as phase_taps

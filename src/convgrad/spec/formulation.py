@@ -15,7 +15,7 @@ from typing import NamedTuple
 from convgrad.spec.arguments import Pair
 
 __all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "leftover_rows", "output_rows",
-           "pad_split", "pad_then_crop", "padded_sizes", "phase_data_rows", "phase_taps", "smooth_size",
+           "pad_split", "pad_then_crop", "pad_to_rows", "padded_sizes", "phase_data_rows", "phase_taps", "smooth_size",
            "stride_phase", "strided_crop", "subpixel_dim", "tap_reads_only_padding", "tap_rows",
            "transposed_output_rows"]
 
@@ -48,6 +48,18 @@ def padded_sizes(sizes: Iterable[int], pads: Iterable[Pair]) -> tuple[int, ...]:
         (8, 5)
     """
     return tuple(n + lo + hi for n, (lo, hi) in zip(sizes, pads))
+
+
+def pad_to_rows(pads: Pair, padded: int, rows: int) -> Pair:
+    """Pads (lo, hi) of one dim, which make it ``padded`` rows, with the high side grown (or cut) so that they make
+    it ``rows`` rows instead: (lo, hi + rows - padded).
+
+    Examples:
+        >>> pad_to_rows((1, 1), padded=7, rows=10)   # 5 rows padded (1, 1) are 7; (1, 4) makes 10
+        (1, 4)
+    """
+    lo, hi = pads
+    return lo, hi + rows - padded
 
 
 def transposed_output_rows(o: int, k: int, s: int, d: int, op: int, pads: Pair) -> int:
@@ -302,8 +314,7 @@ def stride_phase(k: int, s: int, o: int, pads: Pair, size: int) -> tuple[int, in
     (the docs' "Derivation" page).
     """
     q = -(-k // s)
-    lo, hi = pads
-    return q, o + q - 1, (lo, hi + s * (o + q - 1) - size)
+    return q, o + q - 1, pad_to_rows(pads, size, s * (o + q - 1))
 
 
 def fft_phase(i: int, k: int, s: int, d: int, o: int, pads: Pair, size: int) -> FftDim:

@@ -35,7 +35,17 @@ from convgrad.backends.fwdconv.steps import (
     pad_or_fold,
 )
 from convgrad.errors import ConvgradValueError, MethodRefused
-from convgrad.spec import ConvSpec, Pair, Shape, output_rows, pad_split, padded_sizes, phase_data_rows, strided_crop
+from convgrad.spec import (
+    ConvSpec,
+    Pair,
+    Shape,
+    output_rows,
+    pad_split,
+    pad_to_rows,
+    padded_sizes,
+    phase_data_rows,
+    strided_crop,
+)
 from convgrad.tensor_ops import ONEDNN_DTYPES, batched_like, channels_innermost, sliced
 
 __all__ = ["BUILDERS", "ONEDNN_DTYPES", "PER_SAMPLE_MAX_BATCH", "PER_SAMPLE_MAX_CHANNELS", "TAPS_MAX_ELEMENTS",
@@ -227,14 +237,14 @@ class PhasesToKernel:
 _Parts = tuple[tuple[Step, ...], tuple[Step, ...], Contraction, tuple[Step, ...]]
 
 
-def _x_pads(spec: ConvSpec) -> tuple[tuple[Step, ...], Shape, Shape, tuple[Pair, ...]]:
+def _x_pads(spec: ConvSpec) -> tuple[tuple[Step, ...], Shape, Shape, tuple[Pair, ...], Shape]:
     """How the grad-of-w conv reads x: crops as a view, padding by the conv itself, surplus outputs dropped.
 
     An asymmetric pad of x would be a copy of x; instead the conv pads max(lo, hi) on both sides and
     the few extra outputs (the taps "before" tap 0 and past tap k-1) are cropped from its small
     result. The conv's stride is d, so this needs the extra leading padding to be a multiple of d;
     otherwise x is padded explicitly. Returns (steps on x, x's shape after them, conv padding,
-    crop of the conv's output per dim).
+    crop of the conv's output per dim, the conv's output taps before that crop).
     """
     shape = (spec.batch, spec.x_channels)
     pads = spec.x_read_pads
@@ -242,12 +252,12 @@ def _x_pads(spec: ConvSpec) -> tuple[tuple[Step, ...], Shape, Shape, tuple[Pair,
     size = padded_sizes(spec.x_size, crops)
     if any(e % d for e, d in zip(extra, spec.dilation)) or any(n < 1 for n in size):  # or the crop empties x
         steps, conv_pad, padded = pad_or_fold(pads, (*shape, *spec.x_size), (*shape, *spec.x_read_size))
-        return tuple(steps), padded, conv_pad, ((0, 0),) * spec.n
+        return tuple(steps), padded, conv_pad, ((0, 0),) * spec.n, spec.kernel_size
     out = tuple(output_rows(n, o, d, s, (g, g))  # a conv of stride d, dilation s and o taps
                 for n, g, s, o, d in zip(size, grow, spec.stride, spec.y_size, spec.dilation))
     crop_out = tuple(strided_crop(e, d, m, k) for e, d, m, k in zip(extra, spec.dilation, out, spec.kernel_size))
     steps = (Pad(crops, (*shape, *size)),) if any(lo or hi for lo, hi in crops) else ()
-    return steps, (*shape, *size), grow, crop_out
+    return steps, (*shape, *size), grow, crop_out, out
 
 
 def _crop_taps(spec: ConvSpec, crop: tuple[Pair, ...], lead: Shape) -> tuple[Step, ...]:
@@ -257,21 +267,19 @@ def _crop_taps(spec: ConvSpec, crop: tuple[Pair, ...], lead: Shape) -> tuple[Ste
 def _kernel_plan(spec: ConvSpec) -> _Parts:
     """x (batch folded into channels) convolved with y as the kernel: stride d, dilation s."""
     g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
-    pad_steps, padded, conv_pad, crop = _x_pads(spec)
+    pad_steps, padded, conv_pad, crop, taps = _x_pads(spec)
     data_steps = (*pad_steps, BatchFold(g, "group_major", (cx // g, g * n_, *padded[2:])))
-    taps = tuple(k - lo - hi for k, (lo, hi) in zip(spec.kernel_size, crop))
     conv = Conv(spec.dilation, conv_pad, spec.stride, g, (cx // g, cy, *taps))
     post = (*_crop_taps(spec, crop, (cx // g, cy)), SwapBatchChannels(spec.weight_shape))
     return data_steps, (SwapBatchChannels((cy, n_, *spec.y_size)),), conv, post
 
 
 def _samples_as_groups(spec: ConvSpec, pad_steps: tuple[Step, ...], padded: Shape, conv_pad: Shape,
-                       crop: tuple[Pair, ...]) -> _Parts:
+                       crop: tuple[Pair, ...], taps: Shape) -> _Parts:
     """The conv of every sample on its own, the batch folded into the groups: its result (C_x/g, N*C_y, *k) holds
-    sample n's gradient in columns n*C_y to (n+1)*C_y. ``pad_steps`` .. ``crop``: how it reads x (``_x_pads``)."""
+    sample n's gradient in columns n*C_y to (n+1)*C_y. ``pad_steps`` .. ``taps``: how it reads x (``_x_pads``)."""
     g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
     data_steps = (*pad_steps, BatchFold(g, "sample_major", (cx // g, n_ * g, *padded[2:])))
-    taps = tuple(k - lo - hi for k, (lo, hi) in zip(spec.kernel_size, crop))
     conv = Conv(spec.dilation, conv_pad, spec.stride, n_ * g, (cx // g, n_ * cy, *taps))
     kernel_steps = (SamplesIntoChannels((n_ * cy, 1, *spec.y_size)),)
     return data_steps, kernel_steps, conv, _crop_taps(spec, crop, (cx // g, n_ * cy))
@@ -310,7 +318,7 @@ def plan_per_sample_weight_grad(spec: ConvSpec) -> Plan:
     lead = (spec.batch, spec.x_channels)
     pad_steps, conv_pad, padded = pad_or_fold(spec.x_read_pads, (*lead, *spec.x_size), (*lead, *spec.x_read_size))
     data_steps, kernel_steps, conv, _ = _samples_as_groups(spec, tuple(pad_steps), padded, conv_pad,
-                                                           ((0, 0),) * spec.n)
+                                                           ((0, 0),) * spec.n, spec.kernel_size)
     return Plan("grad_weight", spec, x_name, y_name, data_steps, kernel_steps, conv, (SwapBatchChannels(shape),),
                 shape, "per_sample", "per-sample gradients: per-sample convs, not summed")
 
@@ -328,9 +336,9 @@ def _blocks_plan(spec: ConvSpec) -> _Parts:
     """Stride 1, dilation d: blocks of d rows folded into channels (space to depth) make it a stride-1 conv."""
     g, cx, cy, n_, d = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.dilation
     blocks, dd = spec.dilation_blocks, math.prod(d)
-    x_pads = tuple((lo, hi + u * di - size) for (lo, hi), (u, _), di, size in
+    x_pads = tuple(pad_to_rows(p, size, u * di) for p, (u, _), di, size in
                    zip(spec.x_read_pads, blocks, d, spec.x_read_size))
-    y_pads = tuple((0, m * di - o) for (_, m), di, o in zip(blocks, d, spec.y_size))
+    y_pads = tuple(pad_to_rows((0, 0), o, m * di) for (_, m), di, o in zip(blocks, d, spec.y_size))
     data_steps = (Pad(x_pads, (n_, cx, *(u * di for (u, _), di in zip(blocks, d)))),
                   SpaceToDepth(d, g, (cx // g, g * n_ * dd, *(u for u, _ in blocks))))
     y_pad = (Pad(y_pads, (n_, cy, *(m * di for (_, m), di in zip(blocks, d)))),) if any(hi for _, hi in y_pads) else ()
