@@ -236,6 +236,22 @@ def test_module_memo_under_no_weight_gradients_and_auto_modes(tuning: Any) -> No
     assert TORCH_NODE in graph_node_names(m(x))
 
 
+def test_module_memo_does_not_serve_a_jit_trace() -> None:
+    """A module whose memo an eager call filled is traced afterwards: the trace records the Function, so that
+    no_weight_gradients still acts on the traced graph. Mutant: memoised without its tracing check fails it."""
+    m = cg.nn.Conv2d(4, 4, 3, backend="native", dtype=F64)
+    x = _X.clone()
+    m(x)
+    m(x)
+    assert m._convgrad_memo.key is not None
+    traced = torch.jit.trace(m, x)
+    with cg.no_weight_gradients():
+        traced(x.requires_grad_()).sum().backward()
+    assert m.weight.grad is None and x.grad is not None
+    traced(x).sum().backward()
+    assert m.weight.grad is not None
+
+
 def test_module_memo_is_not_copied_nor_pickled() -> None:
     m = cg.nn.Conv2d(4, 4, 3, backend="native")
     m(torch.randn(1, 4, 6, 6))
