@@ -6,7 +6,9 @@
 (c) auto against native over the smoke suite's layers (``convgrad bench --suite smoke``), where auto's settled
     choice is native for the forward and both gradients, in two entry points: the autograd one (``cg.conv``,
     forward and backward) and the backend one (``conv_backward``, both gradients, as ``convgrad bench`` times it);
-    the geometric mean of the per-layer ratios.
+    the geometric mean of the per-layer ratios;
+(f) frames: the Python frames and C calls each contender of (a) and (b) runs per forward + backward, counted by
+    ``sys.setprofile`` over one call once settled: deterministic, so it shows a cut where timings are noise.
 
 Timing: every contender of a comparison is timed in each round, in an order that rotates from round to round,
 each by ``torch.utils.benchmark.Timer.timeit`` over enough calls to last ``--min-time``; a round's ratio divides
@@ -18,6 +20,7 @@ Auto tunes (``CONVGRAD_AUTOTUNE=tune`` is set here) and every auto contender run
 Usage:
     PYTHONPATH=src python benchmarks/overhead.py                     # everything, 15 rounds
     PYTHONPATH=src python benchmarks/overhead.py --parts a b --rounds 31 --clock wall
+    PYTHONPATH=src python benchmarks/overhead.py --parts f                # frames per call, no timing
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -166,6 +170,43 @@ def part_c(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def _calls(step: Step) -> tuple[int, int]:
+    """(Python frames, C calls) that one call of step runs, the profiler's own call excluded."""
+    counts = {"call": 0, "c_call": 0}
+
+    def count(frame: object, event: str, arg: object) -> None:
+        if event in counts:
+            counts[event] += 1
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return counts["call"], counts["c_call"] - 1  # the C call of sys.setprofile(None) itself
+
+
+def part_f(args: argparse.Namespace) -> list[str]:
+    torch.manual_seed(0)
+    x = torch.randn(1, 8, 40, 40, requires_grad=True)
+    ref = torch.nn.Conv2d(8, 8, 1, stride=2)
+    w, b = ref.weight, ref.bias
+    mods = {be: cg.nn.Conv2d(8, 8, 1, stride=2, backend=be) for be in ("native", "auto")}
+    steps = {"torch.nn.Conv2d": _fwd_bwd(lambda: ref(x))}
+    steps |= {f"convgrad.nn.Conv2d backend={be!r}": _fwd_bwd(lambda m=m: m(x)) for be, m in mods.items()}
+    steps["F.conv2d"] = _fwd_bwd(lambda: F.conv2d(x, w, b, 2))
+    steps |= {f"cg.conv2d backend={be!r}": _fwd_bwd(lambda be=be: cg.conv2d(x, w, b, 2, backend=be))
+              for be in ("native", "auto")}
+    for step in steps.values():
+        _settle(step, _no_pending)
+        step()  # a settled call fills the memos its next call reads
+    lines = ["(f) Python frames and C calls per forward + backward of (a) and (b)'s conv, once settled"]
+    for name, step in steps.items():
+        frames, c_calls = _calls(step)
+        lines.append(f"    {name:38s} {frames:4d} Python frames {c_calls:4d} C calls")
+    return lines
+
+
 def _lines(title: str, res: dict[str, tuple[float, float, float]], target: float | None) -> list[str]:
     lines = [title]
     for name, (median, lo, hi) in res.items():
@@ -176,7 +217,7 @@ def _lines(title: str, res: dict[str, tuple[float, float, float]], target: float
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", nargs="+", choices=("a", "b", "c"), default=["a", "b", "c"])
+    p.add_argument("--parts", nargs="+", choices=("a", "b", "c", "f"), default=["a", "b", "c"])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed sample (default 0.05)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
@@ -185,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} clock, {args.rounds} rounds")
     for part in args.parts:
-        print("\n".join({"a": part_a, "b": part_b, "c": part_c}[part](args)), flush=True)
+        print("\n".join({"a": part_a, "b": part_b, "c": part_c, "f": part_f}[part](args)), flush=True)
     return 0
 
 

@@ -13,6 +13,7 @@ import importlib.util
 import math
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -287,3 +288,20 @@ def graph_node_names(t: torch.Tensor) -> set[str]:
         seen.add(node)
         todo += [nxt for nxt, _ in node.next_functions]
     return {type(node).__name__ for node in seen}
+
+
+def python_frames(step: Callable[[], object]) -> int:
+    """How many Python frames one call of step enters (``sys.setprofile``'s call events): deterministic, where a
+    timing of a per-call cut is noise."""
+    count = 0
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        nonlocal count
+        count += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count

@@ -18,7 +18,7 @@ from convgrad.autograd import calls
 from convgrad.backends import auto, get_backend
 from convgrad.spec import ConvSpec
 from convgrad.tuning import store as auto_cache
-from helpers import graph_node_names
+from helpers import graph_node_names, python_frames
 
 F64 = torch.float64
 TORCH_NODE, OUR_NODE = "ConvolutionBackward0", "ConvFunctionBackward"
@@ -234,6 +234,44 @@ def test_module_memo_under_no_weight_gradients_and_auto_modes(tuning: Any) -> No
     assert OUR_NODE in graph_node_names(m(x))  # tune mode, nothing tuned: the memo of fixed mode does not serve
     m(x).sum().backward()
     assert TORCH_NODE in graph_node_names(m(x))
+
+
+def test_module_memo_does_not_serve_a_jit_trace() -> None:
+    """A module whose memo an eager call filled is traced afterwards: the trace records the Function, so that
+    no_weight_gradients still acts on the traced graph. Mutant: memoised without its tracing check fails it."""
+    m = cg.nn.Conv2d(4, 4, 3, backend="native", dtype=F64)
+    x = _X.clone()
+    m(x)
+    m(x)
+    assert m._convgrad_memo.key is not None
+    traced = torch.jit.trace(m, x)
+    with cg.no_weight_gradients():
+        traced(x.requires_grad_()).sum().backward()
+    assert m.weight.grad is None and x.grad is not None
+    traced(x).sum().backward()
+    assert m.weight.grad is not None
+
+
+@pytest.mark.parametrize("backend, extra", [("native", 8), ("auto", 10)])
+def test_a_memoised_module_call_adds_few_python_frames_to_torchs(backend: str, extra: int) -> None:
+    """Forward + backward of a drop-in layer whose memo serves, against torch.nn.Conv2d's (issue 25, item 11): the
+    memo check (memoised, torch.compiler.is_compiling and its is_scripting, memo_key), torch_conv, and the
+    no_weight_gradients node hook (torch's _register_hook and RemovableHandle.__init__, drop_weight_gradient): 8;
+    auto adds its state (memo_state, fixed): 10, at most. Mutant: the drop-in forward through torch's forward again
+    (super().forward) fails it."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 8, 10, 10, requires_grad=True)
+    ref = torch.nn.Conv2d(8, 8, 1, stride=2)
+    m = cg.nn.Conv2d(8, 8, 1, stride=2, backend=backend)
+
+    def step(layer: torch.nn.Module) -> Callable[[], None]:
+        return lambda: layer(x).sum().backward()
+
+    with auto.tuning_mode("fixed"):
+        for layer in (ref, m, m):  # the second call fills nothing new: the memo serves it
+            step(layer)()
+        assert m._convgrad_memo.key is not None
+        assert python_frames(step(m)) - python_frames(step(ref)) <= extra
 
 
 def test_module_memo_is_not_copied_nor_pickled() -> None:

@@ -94,6 +94,22 @@ def test_from_shapes_remembers_a_spec_but_still_checks_each_type() -> None:
     assert ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), 1, 1, fn="other").fn == "other"
 
 
+def test_from_shapes_without_its_memo_validates_afresh_and_leaves_the_memo_alone() -> None:
+    """memo=False (what torch.compile traces) neither reads nor fills the memo, and validates as with it."""
+    from convgrad.spec.arguments import SPECS
+
+    args = ((2, 4, 11, 11), (6, 4, 3, 3), 2, 1)
+    SPECS.clear()
+    fresh = ConvSpec.from_shapes(*args, fn="unmemoised", memo=False)
+    assert not SPECS  # nothing remembered
+    remembered = ConvSpec.from_shapes(*args, fn="unmemoised")
+    assert remembered == fresh and len(SPECS) == 1
+    again = ConvSpec.from_shapes(*args, fn="unmemoised", memo=False)
+    assert again == remembered and again is not remembered  # not read from the memo
+    with pytest.raises(TypeError, match="unmemoised: "):
+        ConvSpec.from_shapes(*args[:2], stride=1.0, fn="unmemoised", memo=False)
+
+
 def test_from_shapes_remembers_a_subclass_apart() -> None:
     """from_shapes builds cls: a subclass called with the arguments of a remembered ConvSpec gets its own class."""
     class Sub(ConvSpec):

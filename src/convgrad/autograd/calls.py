@@ -83,9 +83,8 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     transformed = compiling and torch._C._are_functorch_transforms_active()
     if transformed and function.weight_gradients_disabled:
         raise ConvgradValueError(_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM.format(fn=fn))
-    make = ConvSpec._validated if compiling else ConvSpec.from_shapes  # Dynamo breaks the graph on from_shapes's memo
-    spec = make(shape_of(input), shape_of(weight), stride, padding, dilation, transposed, output_padding, groups,
-                fn=fn)
+    spec = ConvSpec.from_shapes(shape_of(input), shape_of(weight), stride, padding, dilation, transposed,
+                                output_padding, groups, fn=fn, memo=not compiling)
     if bias is not None and shape_of(bias) != (spec.out_channels,):
         raise ConvgradValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
     if transformed:

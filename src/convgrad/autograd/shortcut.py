@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from convgrad.autograd import function
-from convgrad.backends.auto import changes as auto_changes
 from convgrad.backends.auto import fixed as auto_fixed
+from convgrad.backends.auto import memo_state as auto_memo_state
 from convgrad.backends.auto import settled_native as auto_settled_native
 from convgrad.spec import ConvSpec
 
@@ -96,19 +96,25 @@ def memo_key(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def auto_state(backend: str) -> tuple[Any, ...] | None:
     """What a memoised answer of ``settled_native`` depends on, beyond the call: None where it does not apply."""
-    if backend != "auto" or auto_fixed():
-        return None
-    return auto_changes(), torch.get_num_threads()
+    return auto_memo_state() if backend == "auto" else None
+
+
+# looked up once: memoised asks them on every call of every module. The compile check comes before the tracing one,
+# so Dynamo, for which is_compiling() is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its
+# two Python frames)
+_is_compiling = torch.compiler.is_compiling
+_is_tracing = torch._C._is_tracing
+_autocast_enabled = torch._C._is_any_autocast_enabled
 
 
 def memoised(memo: CallMemo, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               hyper: tuple[Any, ...], backend: str) -> torch.Tensor | None:
     """torch's convolution when the memo serves this call, else None."""
-    if (memo.key is None or function.weight_gradients_disabled or torch._C._is_any_autocast_enabled()
-            or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+    if (memo.key is None or function.weight_gradients_disabled or _autocast_enabled() or _is_compiling()
+            or _is_tracing()):
         return None
     if (not all(map(operator.is_, memo.hyper, hyper)) or memo_key(input, weight, bias) != memo.key
-            or (backend == "auto" and auto_state(backend) != memo.auto)):
+            or (backend == "auto" and auto_memo_state() != memo.auto)):
         return None
     return torch_conv(memo.spec, input, weight, bias, memo.args)
 

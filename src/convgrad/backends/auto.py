@@ -76,7 +76,8 @@ from convgrad.tuning import (  # auto's documented names, kept from before tunin
 from convgrad.tuning import tune as _tune  # a module name, so that tests can count the tunings
 
 __all__ = ["FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path", "candidates",
-           "changes", "chosen", "clear", "device_name", "fixed", "get_mode", "set_mode", "settled_native",
+           "changes", "chosen", "clear", "device_name", "fixed", "get_mode", "memo_state", "set_mode",
+           "settled_native",
            "tuning_mode"]
 
 FIXED_CHOICE = "native"
@@ -192,6 +193,12 @@ def changes() -> int:
     return _choices.changes
 
 
+def memo_state() -> tuple[int, int] | None:
+    """What a caller's memo of ``settled_native`` answers depends on beyond its call: None in fixed mode (every
+    answer is native), else ``changes()`` and the thread count (a key of every choice). One call per memo check."""
+    return None if fixed() else (_choices.changes, torch.get_num_threads())
+
+
 def _forward_candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
     """The candidates with a forward of their own (fft) that may differ from native here."""
     return [b for b in candidates(spec, like) if b.name != "native" and hasattr(b, "forward")]
@@ -219,10 +226,13 @@ def _remembered(memo: tuple[object, ...], spec: ConvSpec, compute: Callable[[], 
     return True
 
 
-def _memo_key(spec: ConvSpec, what: object, like: torch.Tensor) -> tuple[object, ...]:
-    """What _key reads of ``like``, with the spec's identity (cheap to hash) instead of the bucketed spec."""
+def _lookup(spec: ConvSpec, what: object, like: torch.Tensor) -> tuple[tuple[object, ...], bool]:
+    """The memo key of a call (what _key reads of ``like``, with the spec's identity, cheap to hash, instead of the
+    bucketed spec) and whether a positive answer for it is remembered and still valid: a settled layer's call
+    costs this one dict lookup (``_remembered`` and its ``compute`` are built only on a miss)."""
     last = not like.is_contiguous() and like.dim() >= 3 and like.shape[1] > 1 and like.stride(1) == 1
-    return id(spec), what, like.dtype, like.device, last, tuning.threads(like)
+    memo = (id(spec), what, like.dtype, like.device, last, tuning.threads(like))
+    return memo, _settled_at == _choices.changes and _settled.get(memo) is spec
 
 
 def _native_settled(choice: Choice | None, device: torch.device) -> bool:
@@ -238,8 +248,8 @@ def settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, ne
     convolution computes the same; False while anything is still to tune or compare, or for tensors that cannot
     be tuned (a call through the backend tunes and settles them), or while a choice is watched for drift (calls
     of 1 ms and more on the CPU, see ``auto_cache``). Memoised per spec object until a choice changes."""
-    return _remembered(_memo_key(spec, (need_input, need_weight), input), spec,
-                       lambda: _settled_native(spec, input, weight, need_input, need_weight))
+    memo, known = _lookup(spec, (need_input, need_weight), input)
+    return known or _remembered(memo, spec, lambda: _settled_native(spec, input, weight, need_input, need_weight))
 
 
 def _settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, need_input: bool,
@@ -337,9 +347,9 @@ class AutoBackend(Backend):
         the drift watch (memoised, see settled_native); what runs is the same."""
         if torch.compiler.is_compiling() or fixed():
             return False
-        return _remembered(_memo_key(spec, gradient, grad_output), spec,
-                           lambda: tuning.tunable(grad_output) and _native_settled(
-                               _choices.lookup(_key(spec, gradient, grad_output)), grad_output.device))
+        memo, known = _lookup(spec, gradient, grad_output)
+        return known or _remembered(memo, spec, lambda: tuning.tunable(grad_output) and _native_settled(
+            _choices.lookup(_key(spec, gradient, grad_output)), grad_output.device))
 
     @staticmethod
     def _tuning(*tensors: torch.Tensor | None) -> bool:

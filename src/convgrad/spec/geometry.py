@@ -44,7 +44,8 @@ class ConvSpec:
     @classmethod
     def from_shapes(cls, input_shape: Sequence[int], weight_shape: Sequence[int], stride: IntOrTuple = 1,
                     padding: PaddingArg = 0, dilation: IntOrTuple = 1, transposed: bool = False,
-                    output_padding: IntOrTuple = 0, groups: int = 1, *, fn: str = "ConvSpec") -> ConvSpec:
+                    output_padding: IntOrTuple = 0, groups: int = 1, *, fn: str = "ConvSpec",
+                    memo: bool = True) -> ConvSpec:
         """Validate convolution arguments against the input and weight shapes.
 
         Args:
@@ -57,12 +58,17 @@ class ConvSpec:
             output_padding: int or N-tuple; only for transposed convs, each < max(stride, dilation).
             groups: int >= 1 dividing both channel counts.
             fn: the public function name used in error messages.
+            memo: look the arguments up in the memo of validated specs, and remember the result there (default
+                True); False validates afresh and leaves the memo alone (what torch.compile traces: Dynamo breaks
+                its graph on the memo's lookup).
 
         Raises:
             TypeError: a non-integer where an int is needed.
             ValueError: any value out of range or inconsistent with the shapes.
         """
         args = (input_shape, weight_shape, stride, padding, dilation, transposed, output_padding, groups, fn)
+        if not memo:
+            return cls._validated(*args)
         key = memo_key(cls, args)
         remembered = None if key is None else SPECS.get(key)  # one lookup: another thread may clear it
         if remembered is not None:
