@@ -45,9 +45,10 @@ PURPOSES = ("grads", "norms", "clip")
 _NAMES = ("ghost", "unfold", "conv", "native", "unfold+store", "conv+store", "native+store")
 Key = tuple[ConvSpec, str, torch.dtype, torch.device, int]
 # An option whose first (checking) call runs over BEHIND times the fastest option timed so far is not timed again
-# (``screen``'s ``behind``): first calls at a new shape ran at most 1.35x a warm call on ResNet-18's 11 layer shapes,
-# while the fwdconv plan ("conv") ran 2.4-16x the fastest on 9 of them (2 shared cores, first clipped step of
-# ``benchmarks/first_step.py --per-sample c``); 4 leaves a margin of 3 for a call delayed by other load.
+# (``screen``'s ``behind``). On ResNet-18's 11 layer shapes (first clipped step of ``benchmarks/first_step.py
+# --per-sample c``, 4 runs, 2 shared busy cores) a first call of 50 ms or more ran at most 2.4x the option's fastest
+# later call, mostly under 1.4x, while the fwdconv plan ("conv") ran 2.4-16x the fastest on 9 of the shapes. Where the
+# fastest takes a few ms, a first call can run 10x, but a wrong cut there costs at most those few ms per step.
 BEHIND = 4.0
 
 
