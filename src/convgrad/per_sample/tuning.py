@@ -200,24 +200,28 @@ def chosen(spec: ConvSpec, purpose: str, like: torch.Tensor, store: bool = False
 def _tune(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store: bool) -> Choice:
     est = estimates(spec, purpose, store)
     reference = min(est, key=lambda n: (est[n], n != _fixed(spec, purpose, store)))
+    # without storing, every "clip" option ends with the Book-Keeping pass: a cost they all share cannot rank them,
+    # so the cost model prunes on the rest, the norms' (ghost on ResNet-18's 4x4 and 8x8 stride-2 layers: 1/11-1/28
+    # of unfold's multiply-adds, measured 5-75x faster)
+    dropped = prune(estimates(spec, "norms", False) if purpose == "clip" and not store else est, keep=(reference,))
+    if all(n in dropped for n in raced(spec, purpose, store) if n != reference):
+        return Choice(reference, {}, (), spec.batch)  # nothing left to compare it with: no call to time
     with torch.no_grad():
         if purpose != "clip":
             choice, _ = tune(options(spec, x, y, purpose, store), spec.batch, x.device, reference, estimates=est,
                              on=spec.batch, behind=BEHIND)
         else:
-            choice = _tune_clip(spec, x, y, store, est, reference)
+            choice = _tune_clip(spec, x, y, store, dropped, reference)
     return dataclasses.replace(choice, pending=())  # the screening decides (module doc): its fastest
 
 
-def _tune_clip(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, store: bool, est: dict[str, float],
+def _tune_clip(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, store: bool, dropped: set[str],
                reference: str) -> Choice:
-    """tune() for "clip". The Book-Keeping pass that every option without "+store" ends with is the same pass:
-    where such options race against "+store" ones, it runs once (a warm-up, then a timed call) and its time is
-    added to each of theirs (``screen``'s ``extra``); where every option raced ends with it, it cannot change the
-    ranking and is not run at all (ResNet-18's first clipped step ran it about 100 times for 11 layer shapes)."""
-    # without storing, every option raced ends with the pass: a cost they all share cannot rank them, so the cost
-    # model prunes on the rest, the norms' (ghost on ResNet-18's 4x4 and 8x8 stride-2 layers: 1/11-1/28 of unfold's)
-    dropped = prune(est if store else estimates(spec, "norms", False), keep=(reference,))
+    """tune() for "clip" (``dropped``: the options the cost model pruned). The Book-Keeping pass that every option
+    without "+store" ends with is the same pass: where such options race against "+store" ones, it runs once (a
+    warm-up, then a timed call) and its time is added to each of theirs (``screen``'s ``extra``); where every option
+    raced ends with it, it cannot change the ranking and is not run at all (ResNet-18's first clipped step ran it
+    about 100 times for 11 layer shapes)."""
     racing = [n for n in raced(spec, "clip", store) if n not in dropped]
     book = len({"+" in n for n in racing}) > 1  # options with and without the pass race each other
     kept, pass_s = None, 0.0
