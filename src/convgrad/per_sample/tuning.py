@@ -9,9 +9,10 @@ Three purposes, each a set of options for one conv layer (x, y: its two sides, s
              per-sample gradients take no more memory than the (input, grad_output) that pass would keep,
              unfold+store, conv+store, native+store (materialised once, then a weighted sum), which then take the
              place of unfold, conv, native (``raced``)
-Options are first pruned by the cost model (multiply-adds, ``estimates``): one estimated over
-``PRUNE_ESTIMATE`` (4x) the cheapest is never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's
-multiply-adds, and it measured 423 ms against unfold's 36 ms). The rest are screened on the whole batch, the
+Options are first pruned by the cost model (multiply-adds, ``estimates``; for "clip" without storing, the norms'
+alone, since every option then ends with the same pass): one estimated over ``PRUNE_ESTIMATE`` (4x) the cheapest is
+never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's multiply-adds, and it measured 423 ms against
+unfold's 36 ms), and where one option is left it is the choice, untimed. The rest are screened on the whole batch, the
 cheapest estimate first (a probe and a timed call each, but no timed call after a probe over ``BEHIND`` times the
 fastest so far) and the fastest is taken; for "clip", the Book-Keeping pass that the options without "+store"
 share runs once (a warm-up and a timed call) and its time is added to each of theirs, and not at all where every
