@@ -145,11 +145,10 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
     own probe is not finite, only the reference is kept (nothing can be checked).
 
     ``behind`` (a choice taken on the screening alone, as the per-sample methods'): each option is timed right
-    after its probe, in the order given, and one whose probe ran over ``behind`` times the fastest time so far
-    is not timed: its probe's time stands (a first call carries the first-call costs on top of a warm call's
-    work, so its warm call could win only if those costs were over ``behind`` times that work); no option is
-    re-timed (see ``_screen_behind``). ``extra``:
-    seconds added to each call of an option (work it shares with others, timed once by the caller).
+    after its probe, in the order given, and one whose probe ran over ``behind`` times the fastest time so far is
+    not timed: its probe's time stands (a first call carries first-call costs on top of a warm call's work, so its
+    warm call could win only if those were over ``behind`` times that work); none is re-timed (``_screen_behind``).
+    ``extra``: seconds added to each call of an option (work it shares with others, timed once by the caller).
     """
     agree = agree or agrees
     n = screen_batch(batch) if on is None else on
@@ -208,8 +207,6 @@ def _retime(options: Mapping[str, Run], device: torch.device, n: int, scale: flo
             add: Mapping[str, float]) -> None:
     """A call delayed by other load must not drop an option: those over SCREEN_DROP times the fastest run once
     more, and keep the faster of their two times (in place)."""
-    if not times:
-        return
     for name in times:
         if times[name] > SCREEN_DROP * min(times.values()):
             again = (timed(lambda r=options[name]: r(n), device)[1] + add.get(name, 0.0)) * scale
