@@ -20,11 +20,14 @@ median of the per-round ratios and their IQR.
 ``--per-sample b|c`` times DP-SGD's per-sample step instead (benchmarks/per_sample.py's convgrad contender:
 ``PerSampleGrads`` over the model, then ``norms()`` (b) or ``clip_and_accumulate`` (c)) on
 benchmarks/per_sample_models.py's models (GroupNorm; ``resnet18``, ``small_cnn``, ...; batch 32): "plain" is
-that model's plain step, the other runs its per-sample step, whose first call tunes the per-sample methods.
+that model's plain step, the other runs its per-sample step, whose first call tunes the per-sample methods. A cold
+per-sample run also counts the race's whole-batch calls (option calls, Book-Keeping passes); ``--race`` lists each
+tuning's choice (the method per layer shape) and its options' times over the fastest.
 
 Usage:
     PYTHONPATH=src python benchmarks/first_step.py --threads 2 --paired 15
     PYTHONPATH=src python benchmarks/first_step.py --per-sample c --models resnet18 small_cnn --runs plain cold fixed
+    PYTHONPATH=src python benchmarks/first_step.py --per-sample c --models resnet18 --runs cold --race
     PYTHONPATH=src python benchmarks/first_step.py --models demo --steps 20
 """
 
@@ -103,9 +106,46 @@ def _per_sample_setup(name: str, run: str, quantity: str) -> tuple[nn.Module, An
     return model, step
 
 
+def _count_option_calls() -> dict[str, int]:
+    """Count the per-sample race's whole-batch calls (option calls, and Book-Keeping passes), by wrapping
+    ``per_sample.tuning.options`` and ``book_keeping``: the evidence of what a tuning ran, steadier than a clock."""
+    from convgrad.per_sample import tuning
+
+    counts = {"option calls": 0, "book-keeping calls": 0}
+    real_options, real_pass = tuning.options, tuning.book_keeping
+
+    def options(*a: Any, **k: Any) -> dict[str, Any]:
+        def counted(run: Any) -> Any:
+            def call(n: int) -> Any:
+                counts["option calls"] += 1
+                return run(n)
+            return call
+        return {name: counted(run) for name, run in real_options(*a, **k).items()}
+
+    def book_keeping(*a: Any) -> Any:
+        counts["book-keeping calls"] += 1
+        return real_pass(*a)
+
+    tuning.options, tuning.book_keeping = options, book_keeping  # type: ignore[assignment]
+    return counts
+
+
+def _race_choices() -> list[str]:
+    """Each per-sample tuning's key and choice: the method per layer shape, options timed, time over the fastest."""
+    from convgrad.per_sample import tuning
+
+    rows = []
+    for (spec, purpose, *_), c in tuning._choices.items():
+        best = min(c.times.values()) if c.times else 1.0
+        ratios = " ".join(f"{n} {t / best:.2f}" for n, t in sorted(c.times.items(), key=lambda kv: kv[1]))
+        rows.append(f"{purpose} x{spec.input_shape} w{spec.weight_shape} stride{spec.stride}: {c.backend} ({ratios})")
+    return rows
+
+
 def worker(name: str, run: str, steps: int, threads: int, per_sample: str | None = None) -> dict[str, Any]:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    counts = _count_option_calls() if per_sample and run == "cold" else {}
     if per_sample:
         model, step = _per_sample_setup(name, run, per_sample)
     else:
@@ -127,7 +167,9 @@ def worker(name: str, run: str, steps: int, threads: int, per_sample: str | None
         from convgrad.per_sample import tuning
 
         out["tuned"] = len(tuning._choices) if per_sample else len(auto._choices)
-    return out
+        if per_sample:
+            out["race"] = _race_choices()
+    return {**out, **counts}
 
 
 def paired(name: str, rounds: int, threads: int, warmup: int = 30) -> dict[str, Any]:
@@ -203,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paired", type=int, default=0, metavar="N", help="also N paired rounds of steady steps")
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "RUN"), help=argparse.SUPPRESS)
     p.add_argument("--paired-worker", metavar="MODEL", help=argparse.SUPPRESS)
+    p.add_argument("--race", action="store_true", help="with --per-sample: list each per-sample tuning's choice and "
+                   "its options' times over the fastest")
     args = p.parse_args(argv)
     known = ("resnet18", "demo") if not args.per_sample else None
     if known and not set(args.models) <= set(known):
@@ -216,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(paired(args.paired_worker, args.paired, args.threads)))
         return 0
     print("| model | run | first step (s) | steady step (s) | first - plain's first (s) | first step CPU (s) | "
-          "steady step CPU (s) | first - plain's first, CPU (s) | configurations tuned | first - steady (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "steady step CPU (s) | first - plain's first, CPU (s) | configurations tuned | first - steady (s) | "
+          "race option calls | race book-keeping calls |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             cache = Path(tmp) / "autotune.json"
@@ -230,13 +275,17 @@ def main(argv: list[str] | None = None) -> int:
         plain = results.get("plain", {})
         for run, r in results.items():
             if "error" in r:
-                print(f"| {name} | {run} | error: {r['error']} | | | | | | | |")
+                print(f"| {name} | {run} | error: {r['error']} | | | | | | | | | |")
                 continue
             extra = f"{r['first_s'] - plain['first_s']:+.2f}" if "first_s" in plain else ""
             extra_cpu = f"{r['first_cpu_s'] - plain['first_cpu_s']:+.2f}" if "first_cpu_s" in plain else ""
             print(f"| {name} | {run} | {r['first_s']:.2f} | {r['steady_s']:.3f} | {extra} | {r['first_cpu_s']:.2f} | "
                   f"{r['steady_cpu_s']:.3f} | {extra_cpu} | {r.get('tuned', '')} | "
-                  f"{r['first_s'] - r['steady_s']:+.2f} |")
+                  f"{r['first_s'] - r['steady_s']:+.2f} | {r.get('option calls', '')} | "
+                  f"{r.get('book-keeping calls', '')} |")
+        for run, r in results.items():
+            for row in r.get("race", []) if args.race else []:
+                print(f"    {name} {run}: {row}")
     for name in args.models if args.paired else ():
         env = {**os.environ, "CONVGRAD_AUTOTUNE_CACHE": "0", "CONVGRAD_AUTOTUNE": "tune"}
         proc = subprocess.run([sys.executable, __file__, "--paired-worker", name, "--paired", str(args.paired),

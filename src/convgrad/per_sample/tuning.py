@@ -9,11 +9,14 @@ Three purposes, each a set of options for one conv layer (x, y: its two sides, s
              per-sample gradients take no more memory than the (input, grad_output) that pass would keep,
              unfold+store, conv+store, native+store (materialised once, then a weighted sum), which then take the
              place of unfold, conv, native (``raced``)
-Options are first pruned by the cost model (multiply-adds, ``estimates``): one estimated over
-``PRUNE_ESTIMATE`` (4x) the cheapest is never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's
-multiply-adds, and it measured 423 ms against unfold's 36 ms). The rest are screened on the whole batch (a
-probe and a timed call each) and the fastest is taken; for "clip", the Book-Keeping pass that the options
-without "+store" share runs once (a warm-up and a timed call) and its time is added to each of theirs. Not on a
+Options are first pruned by the cost model (multiply-adds, ``estimates``; for "clip" without storing, the norms'
+alone, since every option then ends with the same pass): one estimated over ``PRUNE_ESTIMATE`` (4x) the cheapest is
+never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's multiply-adds, and it measured 423 ms against
+unfold's 36 ms), and where one option is left it is the choice, untimed. The rest are screened on the whole batch, the
+cheapest estimate first (a probe and a timed call each, but no timed call after a probe over ``BEHIND`` times the
+fastest so far) and the fastest is taken; for "clip", the Book-Keeping pass that the options without "+store"
+share runs once (a warm-up and a timed call) and its time is added to each of theirs, and not at all where every
+option raced ends with it. Not on a
 slice: the ranking moves with the batch (the small CNN's second conv, per sample: conv 0.17 ms and unfold 0.49 ms
 on 4 samples, but 2.15 and 1.26 ms on 32; 2 busy shared cores). Unlike a backend, an option's work here is split
 between the backward and the clipping, so a later call cannot run one option whole: the screening alone decides.
@@ -37,11 +40,17 @@ from convgrad.spec import ConvSpec
 from convgrad.tuning import Choice, Store, bucketed, decide, device_name, fixed, screen, threads, tunable, tune
 from convgrad.tuning.tuner import prune, timed
 
-__all__ = ["PURPOSES", "book_keeping", "chosen", "estimates", "method_for", "options", "raced"]
+__all__ = ["BEHIND", "PURPOSES", "book_keeping", "chosen", "estimates", "method_for", "options", "raced"]
 
 PURPOSES = ("grads", "norms", "clip")
 _NAMES = ("ghost", "unfold", "conv", "native", "unfold+store", "conv+store", "native+store")
 Key = tuple[ConvSpec, str, torch.dtype, torch.device, int]
+# An option whose first (checking) call runs over BEHIND times the fastest option timed so far is not timed again
+# (``screen``'s ``behind``). On ResNet-18's 11 layer shapes (first clipped step of ``benchmarks/first_step.py
+# --per-sample c``, 4 runs, 2 shared busy cores) a first call of 50 ms or more ran at most 2.4x the option's fastest
+# later call, mostly under 1.4x, while the fwdconv plan ("conv") ran 2.4-16x the fastest on 9 of the shapes. Where the
+# fastest takes a few ms, a first call can run 10x, but a wrong cut there costs at most those few ms per step.
+BEHIND = 4.0
 
 
 def _key(spec: ConvSpec, purpose: str, like: torch.Tensor) -> Key:
@@ -112,12 +121,15 @@ def book_keeping(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 
 def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store: bool,
-            kept: torch.Tensor | None = None) -> dict[str, Callable[[int], object]]:
+            kept: torch.Tensor | None = None, book: bool = True) -> dict[str, Callable[[int], object]]:
     """Each option as ``run(n)`` on the first n samples: what it computes for its purpose (for "grads": four of
     its samples, ``_screened_samples``; for "clip": the squared norms and the clipped sum with all factors 1, the
     Book-Keeping pass by the native backend). ``kept``: "clip" on the whole batch only, the Book-Keeping pass's
-    result, computed once: the options without "+store" then return it instead of running that pass again."""
-    names = raced(spec, purpose, store)
+    result, computed once: the options without "+store" then return it instead of running that pass again.
+    ``book=False``: those options return the squared norms alone (the pass is left out of the race).
+    In the order of their estimates, the cheapest first (``BEHIND``)."""
+    est = estimates(spec, purpose, store)
+    names = sorted(raced(spec, purpose, store), key=est.__getitem__)  # stable: ties keep estimates' order
 
     def sub(n: int) -> tuple[ConvSpec, torch.Tensor, torch.Tensor]:
         return (spec, x, y) if n == spec.batch else (spec.with_batch(n), x[:n], y[:n])
@@ -132,7 +144,7 @@ def options(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, stor
             return methods.sq_norms(gw), torch.tensordot(gw.new_ones(n), gw, dims=1)
         sq = methods.ghost_sq_norms(s, xs, ys) if method == "ghost" else methods.materialised_sq_norms(s, xs, ys,
                                                                                                           method)
-        if purpose != "clip":
+        if purpose != "clip" or not book:
             return sq
         return sq, (kept if kept is not None and n == spec.batch else book_keeping(s, xs, ys))
 
@@ -189,27 +201,35 @@ def chosen(spec: ConvSpec, purpose: str, like: torch.Tensor, store: bool = False
 def _tune(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store: bool) -> Choice:
     est = estimates(spec, purpose, store)
     reference = min(est, key=lambda n: (est[n], n != _fixed(spec, purpose, store)))
+    # without storing, every "clip" option ends with the Book-Keeping pass: a cost they all share cannot rank them,
+    # so the cost model prunes on the rest, the norms' (ghost on ResNet-18's 4x4 and 8x8 stride-2 layers: 1/11-1/28
+    # of unfold's multiply-adds, measured 5-75x faster)
+    dropped = prune(estimates(spec, "norms", False) if purpose == "clip" and not store else est, keep=(reference,))
+    if all(n in dropped for n in raced(spec, purpose, store) if n != reference):
+        return Choice(reference, {}, (), spec.batch)  # nothing left to compare it with: no call to time
     with torch.no_grad():
         if purpose != "clip":
             choice, _ = tune(options(spec, x, y, purpose, store), spec.batch, x.device, reference, estimates=est,
-                             on=spec.batch)
+                             on=spec.batch, behind=BEHIND)
         else:
-            choice = _tune_clip(spec, x, y, store, est, reference)
+            choice = _tune_clip(spec, x, y, store, dropped, reference)
     return dataclasses.replace(choice, pending=())  # the screening decides (module doc): its fastest
 
 
-def _tune_clip(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, store: bool, est: dict[str, float],
+def _tune_clip(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, store: bool, dropped: set[str],
                reference: str) -> Choice:
-    """tune() for "clip", with the Book-Keeping pass that every option without "+store" ends with run and timed
-    once (a warm-up, then a timed call) and its time added to theirs: the same pass, so timing it per option only
-    cost time (ResNet-18's first clipped step ran it about 100 times for 11 layer shapes)."""
-    dropped = prune(est, keep=(reference,))
+    """tune() for "clip" (``dropped``: the options the cost model pruned). The Book-Keeping pass that every option
+    without "+store" ends with is the same pass: where such options race against "+store" ones, it runs once (a
+    warm-up, then a timed call) and its time is added to each of theirs (``screen``'s ``extra``); where every option
+    raced ends with it, it cannot change the ranking and is not run at all (ResNet-18's first clipped step ran it
+    about 100 times for 11 layer shapes)."""
+    racing = [n for n in raced(spec, "clip", store) if n not in dropped]
+    book = len({"+" in n for n in racing}) > 1  # options with and without the pass race each other
     kept, pass_s = None, 0.0
-    if any("+" not in n for n in raced(spec, "clip", store) if n not in dropped):
+    if book:
         book_keeping(spec, x, y)  # warm-up: its first call at this shape pays the kernel's first-call costs
         kept, pass_s = timed(lambda: book_keeping(spec, x, y), x.device)
-    runs = options(spec, x, y, "clip", store, kept=kept)
+    runs = options(spec, x, y, "clip", store, kept=kept, book=book)
     seen = screen({n: r for n, r in runs.items() if n not in dropped}, spec.batch, x.device, reference,
-                  on=spec.batch)
-    times = {n: t + (0.0 if "+" in n else pass_s) for n, t in seen.times.items()}
-    return decide(spec.batch, times, reference, seen.rejected, keep=(reference,))
+                  on=spec.batch, behind=BEHIND, extra={n: pass_s for n in racing if "+" not in n})
+    return decide(spec.batch, seen.times, reference, seen.rejected, keep=(reference,))

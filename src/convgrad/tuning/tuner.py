@@ -135,21 +135,31 @@ def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = ()) -> set[str
 
 
 def screen(options: Mapping[str, Run], batch: int, device: torch.device, reference: str,
-           agree: Callable[[Result, Result], bool] | None = None, on: int | None = None) -> Screen:
+           agree: Callable[[Result, Result], bool] | None = None, on: int | None = None,
+           behind: float | None = None, extra: Mapping[str, float] | None = None) -> Screen:
     """Probe every option on ``on`` samples (default ``screen_batch(batch)``) against the reference's probe, then
     time each once.
 
     An option whose probe disagrees (or whose result is not finite while the reference's is) is rejected and not
     timed; a probe is dropped once compared, so the screening holds two results at most. When the reference's
     own probe is not finite, only the reference is kept (nothing can be checked).
+
+    ``behind`` (a choice taken on the screening alone, as the per-sample methods'): each option is timed right
+    after its probe, in the order given, and one whose probe ran over ``behind`` times the fastest time so far is
+    not timed: its probe's time stands (a first call carries first-call costs on top of a warm call's work, so its
+    warm call could win only if those were over ``behind`` times that work); none is re-timed (``_screen_behind``).
+    ``extra``: seconds added to each call of an option (work it shares with others, timed once by the caller).
     """
     agree = agree or agrees
     n = screen_batch(batch) if on is None else on
     scale = batch / n if n else 1.0
+    add = extra or {}
     with torch.no_grad():
         ref, first = timed(lambda: options[reference](n), device)  # each probe is also its option's warm-up
         if not _finite(ref):
             return Screen({}, (), {reference: ref}, n)
+        if behind is not None:
+            return _screen_behind(options, device, reference, agree, n, scale, ref, first, behind, add)
         probe = {reference: first}
         ok = [reference]
         for name in options:  # one probe at a time beside the reference's: a per-sample result can be 100s of MiB
@@ -159,11 +169,48 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
                     ok.append(name)
                 del out
         ok.sort(key=list(options).index)
-        times = {name: warm_time(lambda r=options[name]: r(n), device, probe[name]) * scale for name in ok}
-        for name in ok:  # a call delayed by other load must not drop an option: those to be dropped run once more
-            if times[name] > SCREEN_DROP * min(times.values()):
-                times[name] = min(times[name], timed(lambda r=options[name]: r(n), device)[1] * scale)
+        times = {name: (warm_time(lambda r=options[name]: r(n), device, probe[name]) + add.get(name, 0.0)) * scale
+                 for name in ok}
+        _retime(options, device, n, scale, times, add)
     return Screen(times, tuple(name for name in options if name not in ok), {reference: ref}, n)
+
+
+def _screen_behind(options: Mapping[str, Run], device: torch.device, reference: str,
+                   agree: Callable[[Result, Result], bool], n: int, scale: float, ref: Result, first: float,
+                   behind: float, add: Mapping[str, float]) -> Screen:
+    """``screen`` with ``behind``: probe and time each option in turn, leaving untimed one whose probe is far
+    behind the fastest so far. An option's time is the faster of its probe and its timed call: against a call
+    delayed by other load, the two calls count as the re-time of ``screen`` (an option far behind on both could
+    win only if both were delayed)."""
+    ref_s = min(first, warm_time(lambda: options[reference](n), device, first))
+    times = {reference: (ref_s + add.get(reference, 0.0)) * scale}
+    ok = [reference]
+    for name in options:
+        if name == reference:
+            continue
+        out, probe = timed(lambda r=options[name]: r(n), device)
+        right = agree(out, ref)
+        del out
+        if not right:
+            continue
+        ok.append(name)
+        seconds = (probe + add.get(name, 0.0)) * scale
+        if seconds <= behind * min(times.values()):
+            warm = min(probe, warm_time(lambda r=options[name]: r(n), device, probe))
+            seconds = (warm + add.get(name, 0.0)) * scale
+        times[name] = seconds
+    ok.sort(key=list(options).index)
+    return Screen({k: times[k] for k in ok}, tuple(k for k in options if k not in ok), {reference: ref}, n)
+
+
+def _retime(options: Mapping[str, Run], device: torch.device, n: int, scale: float, times: dict[str, float],
+            add: Mapping[str, float]) -> None:
+    """A call delayed by other load must not drop an option: those over SCREEN_DROP times the fastest run once
+    more, and keep the faster of their two times (in place)."""
+    for name in times:
+        if times[name] > SCREEN_DROP * min(times.values()):
+            again = (timed(lambda r=options[name]: r(n), device)[1] + add.get(name, 0.0)) * scale
+            times[name] = min(times[name], again)
 
 
 def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected: tuple[str, ...] = (),
@@ -192,8 +239,10 @@ def decide(batch: int, estimates: Mapping[str, float], incumbent: str, rejected:
 
 def tune(options: Mapping[str, Run], batch: int, device: torch.device, reference: str = "native",
          incumbent: str | None = None, estimates: Mapping[str, float] | None = None,
-         agree: Callable[[Result, Result], bool] | None = None, on: int | None = None) -> tuple[Choice, Result | None]:
-    """Prune, screen (on ``on`` samples, default ``screen_batch(batch)``) and decide (see the module doc).
+         agree: Callable[[Result, Result], bool] | None = None, on: int | None = None,
+         behind: float | None = None) -> tuple[Choice, Result | None]:
+    """Prune, screen (on ``on`` samples, default ``screen_batch(batch)``; ``behind`` as ``screen``) and decide (see
+    the module doc).
 
     ``reference`` is never pruned, checks the others and is never dropped by the screening: when it was not the
     fastest there, it stays among the options compared on the calls that follow, so that a slice that misranks
@@ -210,7 +259,8 @@ def tune(options: Mapping[str, Run], batch: int, device: torch.device, reference
         ('native', ('wrong',))
     """
     dropped = prune(estimates or {}, keep=(reference,))
-    seen = screen({n: r for n, r in options.items() if n not in dropped}, batch, device, reference, agree, on)
+    seen = screen({n: r for n, r in options.items() if n not in dropped}, batch, device, reference, agree, on,
+                  behind)
     choice = decide(batch, seen.times, incumbent or reference, seen.rejected, keep=(reference,))
     out = seen.probes.get(choice.backend) if seen.batch == batch else None
     return choice, out
