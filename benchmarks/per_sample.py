@@ -32,6 +32,8 @@ kernel page zeroing (system time). ``--malloc system`` times as is. The memory p
 Usage (extra libraries: benchmarks/requirements.txt, installed as in benchmarks/README.md):
     PYTHONPATH=src python benchmarks/per_sample.py --threads 2 --repeats 7
     PYTHONPATH=src python benchmarks/per_sample.py --models small_cnn resnet18 --quantities c --repeats 3
+    PYTHONPATH=src python benchmarks/per_sample.py --models replknet_small --quantities b c --batch 4 --repeats 1
+        (a quick check that a model runs; the targets are taken at the default batch of 32)
 Results go to benchmarks/results/per_sample.{json,md}.
 """
 
@@ -330,7 +332,7 @@ def measure_memory(args: argparse.Namespace, model: str, contender: str, quantit
     out: dict[str, float | str] = {}
     for kind, keys in (("rss", ("peak_mib",)), ("allocated", ("alloc_mib", "alloc_first_mib"))):
         cmd = [sys.executable, __file__, "--memory-worker", model, contender, quantity, kind,
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads), "--batch", str(args.batch)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
             out.update(dict.fromkeys(keys, (proc.stderr.strip().splitlines() or ["(no output)"])[-1]))
@@ -401,12 +403,15 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BATCH  # --batch sets it for the contenders' data and Opacus's loader
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS)
     p.add_argument("--quantities", nargs="+", choices=list(QUANTITIES), default=list(QUANTITIES))
     p.add_argument("--repeats", type=int, default=7, help="interleaved rounds after two warm-up steps (default 7)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: all)")
+    p.add_argument("--batch", type=int, default=BATCH, help=f"samples per step (default {BATCH}; smaller for a quick "
+                   "check that a model runs)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per memory process (default 900)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "per_sample")
@@ -416,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-worker", nargs=4, metavar=("MODEL", "CONTENDER", "QUANTITY", "KIND"),
                    help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    BATCH = args.batch
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # Opacus's and torch's hook warnings, once per contender
     if args.memory_worker:

@@ -221,6 +221,11 @@ CONVS = [
     ("T3d-groups", lambda: nn.ConvTranspose3d(4, 2, 2, stride=2, groups=2), (2, 4, 2, 3, 2)),
     ("convgrad.nn-T2d", lambda: cg.nn.ConvTranspose2d(2, 2, 3, stride=2, padding=1), (3, 2, 3, 4)),
     ("batch0", lambda: nn.Conv2d(2, 3, 3), (0, 2, 5, 5)),
+    # large kernels: the per-sample race takes fft there (test_large_kernels_run_fft_inside_opacus)
+    ("conv2d-depthwise-9x9-large", lambda: nn.Conv2d(3, 3, 9, padding=4, groups=3), (3, 3, 10, 9)),
+    ("conv1d-long-groups2", lambda: nn.Conv1d(4, 2, 65, stride=2, padding=32, groups=2), (2, 4, 70)),
+    ("T1d-large-output-padding", lambda: nn.ConvTranspose1d(2, 2, 65, stride=2, output_padding=1, groups=2),
+     (3, 2, 9)),
 ]
 
 
@@ -243,6 +248,36 @@ def test_grad_and_norm_samplers_match_a_loop_per_parameter(name: str, make, shap
     for p in params:
         torch.testing.assert_close(grads[p], ref[p], **TOL[DT])
         torch.testing.assert_close(norms[p], ref[p].flatten(1).norm(dim=1), **TOL[DT])
+
+
+@pytest.mark.parametrize("mode", ["fixed", "tune"])
+def test_large_kernels_run_fft_inside_opacus(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opacus's samplers (hooks and ghost) go through the per-sample race, which takes fft on a large kernel by the
+    cost model (fixed) and by timing (tune); a make_private step then clips like the loop."""
+    from convgrad.backends import auto
+    from convgrad.backends.fft import per_sample as fft
+
+    ran: list[str] = []
+    for name in ("weight_grads", "sq_norms"):
+        real = getattr(fft, name)
+        monkeypatch.setattr(fft, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 3, 13, padding=6, groups=3), nn.Tanh(),
+                          nn.Flatten(), nn.Linear(3 * 14 * 14, 3)).to(DT)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 2, 14, 14, dtype=DT, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+    grads = _per_sample_loop(model, x, y)
+    max_norm = _median_norm(grads)
+    cgo.register()
+    auto.clear()
+    with auto.tuning_mode(mode):
+        for grad_mode in ("hooks", "ghost"):
+            ran.clear()
+            got = _private_step(model, x, y, grad_mode, max_norm)
+            assert got.pop("functorch") == []
+            assert_matches_autograd(got, _clipped_sum(grads, max_norm), DT, f"Opacus {grad_mode} {mode} + fft")
+            assert ran, (grad_mode, mode)  # the 13x13 layer's per-sample work ran by fft
+    auto.clear()
 
 
 @pytest.mark.parametrize("ghost", [True, False])

@@ -89,7 +89,7 @@ def _kw(case: Case) -> dict[str, object]:
 def test_per_sample_weight_and_bias_grads_match_loop_and_vmap(case: Case) -> None:
     t = make_tensors(case)
     refs = [_loop_reference(case, t)] + ([_vmap_reference(case, t)] if case.input_shape[0] else [])
-    for method in ("unfold", "conv", "native", "auto"):
+    for method in ("unfold", "conv", "native", "fft", "auto"):
         ours = {"grad_weight": cg.per_sample_weight_grad(t["input"], case.weight_shape, t["grad_output"],
                                                          method=method, **_kw(case)),
                 "grad_bias": cg.per_sample_bias_grad(t["grad_output"])}
@@ -103,7 +103,7 @@ def test_per_sample_grad_norms_match_loop_for_every_method(case: Case) -> None:
     ref = _loop_reference(case, t)
     expected = torch.cat([ref["grad_weight"].flatten(1), ref["grad_bias"]], 1).norm(dim=1)
     no_bias = ref["grad_weight"].flatten(1).norm(dim=1)
-    for method in ("ghost", "unfold", "conv", "native", "auto"):
+    for method in ("ghost", "unfold", "conv", "native", "fft", "auto"):
         got = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], method=method, **_kw(case))
         torch.testing.assert_close(got, expected, **TOL[DT], msg=lambda m, k=method: f"{case} {k}: {m}")
         got = cg.per_sample_grad_norms(t["input"], case.weight_shape, t["grad_output"], bias=False, method=method,
@@ -111,7 +111,7 @@ def test_per_sample_grad_norms_match_loop_for_every_method(case: Case) -> None:
         torch.testing.assert_close(got, no_bias, **TOL[DT], msg=lambda m, k=method: f"{case} {k} no bias: {m}")
 
 
-@pytest.mark.parametrize("method", ["unfold", "conv", "native"])
+@pytest.mark.parametrize("method", ["unfold", "conv", "native", "fft"])
 def test_per_sample_weight_grad_in_a_graph_and_under_vmap(method: str) -> None:
     """Inputs that require grad give a differentiable result (gradcheck), and vmap batches it. Before, "unfold"
     raised torch's "bmm(): functions with out=... don't support automatic differentiation" in the first case and

@@ -61,7 +61,9 @@ def per_sample_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad
         method: ``"unfold"`` (im2col + one batched GEMM per group), ``"conv"`` (a grouped convolution
             with the batch folded into the groups), ``"native"`` (PyTorch's weight-gradient kernel once, on the batch
             folded into the groups, as torch.func's vmap does; fast on layers with many positions, see
-            ``convgrad.per_sample.methods``) or ``"auto"`` (default: the
+            ``convgrad.per_sample.methods``), ``"fft"`` (the convolution theorem: one product per sample and
+            frequency bin, no im2col; fast on large kernels, ``convgrad.backends.fft.per_sample``) or ``"auto"``
+            (default: the
             fastest, timed once per layer configuration on the batch, as ``backend="auto"`` times backends; with
             ``CONVGRAD_AUTOTUNE=fixed`` the cost model of
             ``per_sample_grad_norms``). ``"ghost"`` computes norms
@@ -160,12 +162,17 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
       fewer than 64 entries (depthwise-like layers, where such GEMMs are inefficient) "conv" is
       chosen instead: one grouped convolution, no im2col buffer. "native" (PyTorch's weight-gradient
       kernel on the batch folded into the groups) is measured by "auto" too, but never chosen by this cost model.
+    - "fft" (kernels of at least 64 taps only): the per-sample gradients by the convolution theorem, chunk by chunk
+      over samples, groups and channels, each chunk's squares summed as it comes, so the norms never hold
+      ``N·C_y·C_x·T/g``; chosen where its estimated multiply-adds (``convgrad.backends.fft.per_sample``) are fewer
+      than the others' (a 31x31 depthwise layer on 28x28: about 9x fewer than materialising, while "unfold" and
+      "ghost" would copy 961 times the input per sample).
 
     Args:
         input, weight_size, grad_output, stride, padding, dilation, groups, transposed, output_padding:
             as ``per_sample_weight_grad``.
         bias: include the bias gradient ``grad_output`` summed over space (default True).
-        method: ``"auto"`` (default), ``"ghost"``, ``"unfold"``, ``"conv"`` or ``"native"``.
+        method: ``"auto"`` (default), ``"ghost"``, ``"unfold"``, ``"conv"``, ``"native"`` or ``"fft"``.
 
     Returns:
         ``(N,)``, the dtype of input; half precision accumulates the squares in float32, so a norm is finite

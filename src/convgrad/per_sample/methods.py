@@ -6,8 +6,10 @@ geometry of ConvSpec; P = prod(o) positions of y, T = prod(k) taps, U = im2col(x
     "conv"    gw    [C_x/g, N·C_y, T] = x [C_x/g, N·g, x] ⋆ y [N·C_y, 1, P]       groups = N·g, stride d, dilation s
     "ghost"   |gw[n]|² = Σ_g ⟨y[n]ᵀy[n], U[n]ᵀU[n]⟩ over [P, P] Gram matrices   norms only, never gw itself
     "native"  gw [N·C_y, C_x/g, T] = aten weight gradient of the batch folded into the groups (N·g), one call
-    "fft"     gw [N·C_y, C_x/g, T] = the fft backend's weight gradient of the same folded conv: one product per
-              sample and frequency bin, no im2col of T columns (large kernels; chosen by name only)
+    "fft"     gw[n] [C_y/g, C_x/g, T] = crop(IFFT(conj(FFT y[n]) · FFT x[n])): an outer product per sample and
+              frequency bin, no im2col of T columns, no sum over the batch (``convgrad.backends.fft.per_sample``);
+              its norms reduce each chunk as it comes. Large kernels only: the cost model considers it from
+              ``fft.MIN_TAPS`` taps
 A forward conv has x = input, y = grad_output; a transposed conv the reverse. Only
 the diagonal (same-group) blocks are ever formed: U is laid out per group, so the
 GEMM never multiplies channels of one group with those of another.
@@ -39,6 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from convgrad.backends import get_backend
+from convgrad.backends.fft import per_sample as fft
 from convgrad.backends.fwdconv import execute, plan_per_sample_weight_grad
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad, plain, windows
@@ -76,6 +79,8 @@ def choose_method(spec: ConvSpec, norms: bool) -> str:
     With P positions, T taps, g groups (N cancels everywhere):
         materialise  time  P·C_y·C_x·T/g MACs          memory  C_y·C_x·T/g (the gradients)
         ghost        time  P²·(C_y + C_x·T) MACs        memory  g·P² (two Gram matrices per group)
+        fft          time  fft.estimate_flops / 2 / N      memory  a chunk (``fft.sq_norms``)
+    "fft" iff the kernel has at least ``fft.MIN_TAPS`` taps and its multiply-adds are fewer than the others'.
     norms: "ghost" iff its MACs are fewer; its memory is then smaller too, since
     P·g < C_y·C_x·T/(C_y + C_x·T) implies g²P² < C_y·C_x·T.
     Otherwise "unfold" (an im2col copy of C_x·T·P elements, then GEMMs whose output tile per
@@ -83,7 +88,10 @@ def choose_method(spec: ConvSpec, norms: bool) -> str:
     (depthwise-like layers): then "conv", one grouped convolution with no im2col at all.
     """
     p, t, g, cx, cy = spec.positions, spec.taps, spec.groups, spec.x_channels, spec.y_channels
-    if norms and p * p * (cy + cx * t) < p * cy * cx * t // g:
+    direct, ghost = p * cy * cx * t // g, p * p * (cy + cx * t)
+    if fft.worth_trying(spec) and fft.estimate_flops(spec) / 2 / spec.batch < min(direct, ghost if norms else direct):
+        return "fft"
+    if norms and ghost < direct:
         return "ghost"
     return "conv" if cy * cx * t < MIN_TILE * g * g else "unfold"
 
@@ -270,8 +278,8 @@ def weight_grad(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, method: str) -
         return x.new_zeros(0, *spec.weight_shape)
     if method == "native":
         return _native(spec, x, y)
-    if method == "fft":
-        return _folded("fft", spec, x, y)
+    if method == "fft":  # in a graph or under vmap: the backend's differentiable grad_weight of the folded conv
+        return fft.weight_grads(spec, x, y) if _writable(x, y) else _folded("fft", spec, x, y)
     return _conv(spec, x, y) if method == "conv" else _unfold(spec, x, y)
 
 
@@ -283,7 +291,9 @@ def norm_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def materialised_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, method: str) -> torch.Tensor:
     """Squared per-sample weight-gradient norms (N,) in ``norm_dtype``, materialising a chunk of the batch at a
-    time."""
+    time ("fft": a chunk of samples, groups and channels, ``fft.sq_norms``)."""
+    if method == "fft" and spec.batch and _writable(x, y):
+        return fft.sq_norms(spec, x, y).to(norm_dtype(x.dtype))
     out = x.new_zeros(spec.batch, dtype=norm_dtype(x.dtype))
     per_sample = spec.y_channels * spec.x_channels // spec.groups * spec.taps
     if method == "unfold":

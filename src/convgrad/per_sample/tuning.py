@@ -1,14 +1,15 @@
 """The measured choice of a layer's per-sample method, by the tuner of "auto" (``convgrad.tuning``).
 
 Three purposes, each a set of options for one conv layer (x, y: its two sides, see ``methods``):
-    "grads"  all per-sample gradients:            unfold, conv, native
+    "grads"  all per-sample gradients:            unfold, conv, native (and fft, on kernels of fft.MIN_TAPS taps
+             or more, in every purpose)
     "norms"  per-sample norms only:               ghost, unfold, conv, native (materialised chunk by chunk, then
              dropped)
     "clip"   norms, then the clipped sum (DP-SGD): ghost, unfold, conv, native, each followed by one more
              weight-gradient pass on the per-sample-scaled grad_output (Book-Keeping, Bu et al. 2023); and, where the
              per-sample gradients take no more memory than the (input, grad_output) that pass would keep,
-             unfold+store, conv+store, native+store (materialised once, then a weighted sum), which then take the
-             place of unfold, conv, native (``raced``)
+             unfold+store, conv+store, native+store, fft+store (materialised once, then a weighted sum), which then
+             take the place of unfold, conv, native, fft (``raced``)
 Options are first pruned by the cost model (multiply-adds, ``estimates``; for "clip" without storing, the norms'
 alone, since every option then ends with the same pass): one estimated over ``PRUNE_ESTIMATE`` (4x) the cheapest is
 never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's multiply-adds, and it measured 423 ms against
@@ -34,7 +35,9 @@ from collections.abc import Callable
 
 import torch
 
+from convgrad.backends import fft as fft_backend
 from convgrad.backends import get_backend
+from convgrad.backends.fft import per_sample as fft
 from convgrad.per_sample import methods
 from convgrad.spec import ConvSpec
 from convgrad.tuning import Choice, Store, bucketed, decide, device_name, fixed, screen, threads, tunable, tune
@@ -43,7 +46,8 @@ from convgrad.tuning.tuner import prune, timed
 __all__ = ["BEHIND", "PURPOSES", "book_keeping", "chosen", "estimates", "method_for", "options", "raced"]
 
 PURPOSES = ("grads", "norms", "clip")
-_NAMES = ("ghost", "unfold", "conv", "native", "unfold+store", "conv+store", "native+store")
+_NAMES = ("ghost", "unfold", "conv", "native", "fft", "unfold+store", "conv+store", "native+store", "fft+store")
+_MATERIALISING = ("unfold", "conv", "native", "fft")
 Key = tuple[ConvSpec, str, torch.dtype, torch.device, int]
 # An option whose first (checking) call runs over BEHIND times the fastest option timed so far is not timed again
 # (``screen``'s ``behind``). On ResNet-18's 11 layer shapes (first clipped step of ``benchmarks/first_step.py
@@ -70,7 +74,9 @@ def estimates(spec: ConvSpec, purpose: str, store: bool) -> dict[str, float]:
 
     With W = C_y·C_x·T/g weight entries and P positions: materialising is N·P·W (a weight gradient's work),
     the ghost norm N·P²·(C_y + C_x·T), the Book-Keeping pass N·P·W again, a weighted sum of stored gradients
-    N·W, and the norms of stored gradients N·W. "native" materialises at N·P·W·max(1, NATIVE_POSITIONS/P).
+    N·W, and the norms of stored gradients N·W. "native" materialises at N·P·W·max(1, NATIVE_POSITIONS/P), "fft"
+    at half its flops (``convgrad.backends.fft.per_sample.estimate_flops``), and only on kernels of at least
+    ``fft.MIN_TAPS`` taps.
 
     Examples:
         >>> from convgrad.per_sample.tuning import estimates
@@ -85,13 +91,17 @@ def estimates(spec: ConvSpec, purpose: str, store: bool) -> dict[str, float]:
     w = cy * cx * t // g
     wgrad, ghost = n * p * w, n * p * p * (cy + cx * t)
     native = wgrad * max(1.0, methods.NATIVE_POSITIONS / max(p, 1))  # one sample's kernel is slow on few positions
+    # "fft" only on large kernels (fft.worth_trying): elsewhere it is never even estimated, let alone timed
+    big = {"fft": fft.estimate_flops(spec) / 2} if fft.worth_trying(spec) else {}
+    # there the Book-Keeping pass (auto's weight gradient) may run on the fft backend: half its two gradients' flops
+    keeping = min(wgrad, fft_backend.estimate_flops(spec)[0] / 4) if big else wgrad
     if purpose == "grads":
-        return {"unfold": wgrad, "conv": wgrad, "native": native}
-    out = {"ghost": ghost, "unfold": wgrad, "conv": wgrad, "native": native}
+        return {"unfold": wgrad, "conv": wgrad, "native": native, **big}
+    out = {"ghost": ghost, "unfold": wgrad, "conv": wgrad, "native": native, **big}
     if purpose == "clip":
-        out = {k: v + wgrad for k, v in out.items()}  # each followed by the Book-Keeping pass
+        out = {k: v + keeping for k, v in out.items()}  # each followed by the Book-Keeping pass
         if store:
-            out.update({f"{k}+store": out[k] - wgrad + 2 * n * w for k in ("unfold", "conv", "native")})
+            out.update({f"{k}+store": out[k] - keeping + 2 * n * w for k in _MATERIALISING if k in out})
     return {k: float(v) for k, v in out.items()}
 
 
@@ -169,8 +179,8 @@ def method_for(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, s
         store: "clip" only: whether storing the per-sample gradients is allowed (memory).
 
     Returns:
-        One of "unfold", "conv", "native" ("grads"), "ghost" too ("norms"), and "unfold+store", "conv+store",
-        "native+store" ("clip").
+        One of "unfold", "conv", "native", "fft" ("grads"), "ghost" too ("norms"), and "unfold+store",
+        "conv+store", "native+store", "fft+store" ("clip").
 
     Examples:
         >>> import torch

@@ -11,7 +11,7 @@ Two byte budgets, because they bound different working sets:
 
 from __future__ import annotations
 
-__all__ = ["CHUNK_BYTES", "PHASE_CHUNK_BYTES", "equal_chunk", "fft_chunks"]
+__all__ = ["CHUNK_BYTES", "PHASE_CHUNK_BYTES", "chunk_ranges", "equal_chunk", "fft_chunks", "fft_per_sample_chunks"]
 
 CHUNK_BYTES = 4 * 2**20
 PHASE_CHUNK_BYTES = 16 * 2**20
@@ -54,3 +54,35 @@ def fft_chunks(kernel: int, sample: int, batch: int, groups: int, budget: int) -
     if fit >= 1:
         return min(fit, groups), n
     return 1, max(1, min(n, (budget - kernel) // sample))
+
+
+def fft_per_sample_chunks(spectra: int, channel: int, batch: int, groups: int, channels: int,
+                          budget: int) -> tuple[int, int, int]:
+    """(groups, samples, channels) per chunk of per-sample work, so that one chunk holds about ``budget`` elements.
+
+    ``spectra``: elements per sample and group whatever the channels of the chunk; ``channel``: per sample, group
+    and channel (of ``channels`` per group). Whole groups of as many samples and groups as fit (``fft_chunks``),
+    else one sample of one group and as many of its channels as fit; never less than one channel
+    (``ConvSpec.fft_per_sample_chunks`` gives the FFT's per-sample sizes).
+
+    Examples:
+        >>> fft_per_sample_chunks(spectra=4, channel=2, batch=4, groups=8, channels=3, budget=100)
+        (2, 4, 3)
+        >>> fft_per_sample_chunks(spectra=4, channel=2, batch=4, groups=8, channels=3, budget=8)
+        (1, 1, 2)
+    """
+    per = spectra + channels * channel
+    if per <= budget:
+        g, n = fft_chunks(0, per, batch, groups, budget)
+        return g, n, channels
+    return 1, 1, max(1, min(channels, (budget - spectra) // channel))
+
+
+def chunk_ranges(total: int, step: int) -> list[tuple[int, int]]:
+    """[(start, stop)] of consecutive chunks of ``step`` items (the last one shorter) covering ``total`` items.
+
+    Examples:
+        >>> chunk_ranges(7, 3), chunk_ranges(0, 3)
+        ([(0, 3), (3, 6), (6, 7)], [])
+    """
+    return [(j, min(j + step, total)) for j in range(0, total, step)]

@@ -341,6 +341,28 @@ class ConvSpec:
         a, b = self.y_channels // self.groups, self.x_channels // self.groups * phase_count
         return chunks.fft_chunks(a * b * bins, (a + b) * bins, self.batch, self.groups, budget)
 
+    def fft_per_sample_chunks(self, phase_count: int, budget: int) -> tuple[int, int, int]:
+        """(groups, samples, y channels per group) per chunk of per-sample weight gradients by the FFT, so that one
+        chunk holds about ``budget`` reals: per sample and group the spectra of x and y, (C_x/g)P + C_y/g complex
+        bins; per sample, group and y channel its product with x's spectra ((C_x/g)P complex bins), their inverse
+        ((C_x/g)P transforms of V points) and the taps read from it ((C_x/g)T); ``chunks.fft_per_sample_chunks``
+        fits them (P: the live phases).
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((8, 64, 28, 28), (64, 1, 31, 31), padding=15, groups=64)
+            >>> spec.fft_per_sample_chunks(1, 2**18)
+            (3, 8, 1)
+            >>> ConvSpec.from_shapes((2, 64, 28, 28), (64, 64, 31, 31), padding=15).fft_per_sample_chunks(1, 2**22)
+            (1, 1, 12)
+        """
+        dims = self.fft_phases
+        volume = math.prod(f.size for f in dims)
+        bins = 2 * volume // dims[-1].size * (dims[-1].size // 2 + 1)
+        a, b0 = self.y_channels // self.groups, self.x_channels // self.groups
+        b = b0 * phase_count
+        return chunks.fft_per_sample_chunks((a + b) * bins, b * (bins + volume) + b0 * self.taps, self.batch,
+                                            self.groups, a, budget)
+
     def with_batch_in_groups(self) -> ConvSpec:
         """The N per-sample convolutions as one: a batch of 1 whose channels and groups are N times as many.
 
