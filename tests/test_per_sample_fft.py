@@ -208,8 +208,8 @@ def tuned() -> Iterator[None]:
 
 
 def test_tuning_a_large_kernel_picks_fft_for_every_purpose(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The race (auto's tuning mode) runs fft, and only fft, on the 31x31 layer and remembers it; the results are
-    right."""
+    """The race (auto's tuning mode) picks fft on the 31x31 layer and remembers it, running nothing but fft (where
+    the cost model prunes every other option, fft is chosen untimed and nothing runs at all)."""
     spec = LARGE.with_batch(3)
     x, y = torch.randn(spec.x_shape, dtype=DT), torch.randn(spec.y_shape, dtype=DT)
     ran: list[str] = []
@@ -219,7 +219,7 @@ def test_tuning_a_large_kernel_picks_fft_for_every_purpose(tuned: None, monkeypa
     for purpose, store, best in (("grads", False, "fft"), ("norms", False, "fft"), ("clip", True, "fft+store"),
                                  ("clip", False, "fft")):
         assert tuning.method_for(spec, x, y, purpose, store) == best
-        assert set(ran) == {"fft"}, (purpose, store, ran)  # unfold's im2col would be 961 x the input per sample
+        assert set(ran) <= {"fft"}, (purpose, store, ran)  # unfold's im2col would be 961 x the input per sample
         ran.clear()
     assert tuning.chosen(spec, "norms", x).backend == "fft"  # type: ignore[union-attr]
 
