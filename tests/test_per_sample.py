@@ -910,8 +910,11 @@ def test_batches_of_one_bucket_share_one_per_sample_tuning(tuned: None, monkeypa
 def test_storing_per_sample_gradients_for_the_clip_is_allowed_only_within_the_memory_rule(
         tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """ConvLayer lets "clip" store the per-sample gradients only where they take at most STORE_GROWTH (2) times the
-    memory of the (input, grad_output) that one more weight-gradient pass would keep."""
-    from convgrad.per_sample import tuning
+    memory of the (input, grad_output) that one more weight-gradient pass would keep (the absolute floor set to 0
+    here; the next test checks it)."""
+    from convgrad.per_sample import rules, tuning
+
+    monkeypatch.setattr(rules, "STORE_FLOOR_BYTES", 0)
 
     asked: list[tuple[int, bool]] = []
     real = tuning.method_for
@@ -924,6 +927,26 @@ def test_storing_per_sample_gradients_for_the_clip_is_allowed_only_within_the_me
     with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=True):
         model(torch.randn(3, 2, 16, 16, dtype=DT)).sum().backward()
     assert asked == [(64, False), (2, True), (2, True)], asked  # the backward reaches the last conv first
+
+
+def test_small_per_sample_gradients_may_be_stored_whatever_their_ratio_to_the_state(
+        tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under STORE_FLOOR_BYTES in all, a layer's per-sample gradients may be stored for the clip even at 10.8x its
+    state (the third conv of the test above); over the floor the ratio rule decides again."""
+    from convgrad.per_sample import rules, tuning
+
+    asked: list[tuple[int, bool]] = []
+    real = tuning.method_for
+    monkeypatch.setattr(tuning, "method_for", lambda spec, x, y, purpose, store=False: (
+        asked.append((spec.x_channels, store)) if purpose == "clip" else None) or real(spec, x, y, purpose, store))
+    model = nn.Sequential(nn.Conv2d(64, 128, 1), nn.Flatten(), nn.Linear(128 * 2 * 2, 2)).to(DT)
+    x = torch.randn(3, 64, 2, 2, dtype=DT)  # grads 3 x 8320 x 8 bytes = 195 KiB, 10.8x the state
+    for floor, store in ((8 * 2**20, True), (3 * 8320 * 8 - 1, False), (3 * 8320 * 8, True)):
+        monkeypatch.setattr(rules, "STORE_FLOOR_BYTES", floor)
+        asked.clear()
+        with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=True):
+            model(x).sum().backward()
+        assert asked == [(64, store)], (floor, asked)
 
 
 def test_per_sample_choices_persist_in_autos_cache_file(tuned: None, tmp_path, monkeypatch: pytest.MonkeyPatch
