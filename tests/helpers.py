@@ -172,6 +172,29 @@ def grid_backends(names: list[str]) -> list[Any]:
     return [pytest.param(b, marks=pytest.mark.slow) if b in DELEGATING else b for b in names]
 
 
+# One case of each configuration class the project's standards name, for grids whose other cases run the same code
+# on the same backend: a stride leaving rows unread (r = 1 and r = 2 with an even kernel), 1 < groups < C_in,
+# depthwise (its (C, 1, k, k) weight is contiguous in both memory formats), dilation with stride, even and
+# non-square kernels, asymmetric padding, 'same', 1d and 3d, transposed with output_padding (also grouped and with
+# asymmetric padding), batch 0 and 1, unbatched. Every backend of such a grid runs these in the fast tier and every
+# case in the slow tier.
+REPRESENTATIVE = frozenset({
+    "2d-plain", "1d-dilation2-stride2", "3d-dilation2-stride2", "2d-stride3-leftover2", "3d-stride2-leftover",
+    "2d-groups2-cin4", "2d-depthwise-multiplier", "1d-asym-padding", "2d-same-even-kernel", "2d-mixed-per-dim",
+    "3d-mixed-per-dim", "2d-batch0", "2d-batch1", "3d-batch1", "2d-unbatched",
+    "1d-T-stride2-op1", "2d-T-stride2-op1", "3d-T-stride3-op2-groups2", "2d-T-asym-padding", "2d-T-batch0",
+    "2d-T-unbatched",
+})
+
+
+def grid_params(cases: list[Case]) -> list[Any]:
+    """Case parameters for such a grid (ids: the case names): the REPRESENTATIVE cases in both tiers, the others
+    marked slow (the full tier only)."""
+    import pytest
+
+    return [c if c.name in REPRESENTATIVE else pytest.param(c, marks=pytest.mark.slow) for c in cases]
+
+
 def _c(n: int, name: str, cin: int, cout: int, size: Any, k: Any, transposed: bool = False, batch: int | None = 2,
        **kw: Any) -> Case:
     size = (size,) * n if isinstance(size, int) else tuple(size)

@@ -20,7 +20,17 @@ import torch.nn.grad
 
 import convgrad as cg
 from convgrad.backends import get_backend
-from helpers import DELEGATING, TOL, Case, backend_accepts, grid_backends, grid_cases, make_tensors, reference_grads
+from helpers import (
+    DELEGATING,
+    TOL,
+    Case,
+    backend_accepts,
+    grid_backends,
+    grid_cases,
+    grid_params,
+    make_tensors,
+    reference_grads,
+)
 
 BACKENDS = cg.backends()
 CASES = grid_cases()
@@ -157,7 +167,7 @@ def memory_format_problems(case: Case, backend: str, dtype: torch.dtype, device:
 
 
 @pytest.mark.parametrize("backend", grid_backends(BACKENDS))
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", grid_params(CASES), ids=str)
 def test_gradients_have_torchs_memory_format(case: Case, backend: str, device: torch.device) -> None:
     if not backend_accepts(backend, torch.float64, device):
         pytest.skip(f"backend {backend!r} does not run on {device}")
@@ -173,7 +183,7 @@ OTHER_DTYPES = [pytest.param(dt, b, marks=[pytest.mark.slow] if b in DELEGATING 
 
 
 @pytest.mark.parametrize(("dtype", "backend"), OTHER_DTYPES, ids=lambda v: str(v).removeprefix("torch."))
-@pytest.mark.parametrize("case", CASES[::4], ids=str)
+@pytest.mark.parametrize("case", grid_params(CASES[::4]), ids=str)
 def test_gradients_have_torchs_memory_format_in_other_dtypes(case: Case, dtype: torch.dtype, backend: str,
                                                              device: torch.device) -> None:
     if not backend_accepts(backend, dtype, device):
@@ -197,7 +207,7 @@ def _torch_nn_grads(case: Case, layout: str) -> tuple[dict[str, torch.Tensor], d
 
 
 @pytest.mark.parametrize("backend", grid_backends([b for b in BACKENDS if b != "auto"]))
-@pytest.mark.parametrize("case", NN_GRAD_CASES, ids=str)
+@pytest.mark.parametrize("case", grid_params(NN_GRAD_CASES), ids=str)
 def test_torch_nn_grad_names_have_torchs_memory_format(case: Case, backend: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """cg.conv{n}d_input / conv{n}d_weight against torch.nn.grad's own, with backend 'auto' choosing each
