@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import convgrad as cg
+from convgrad import cli
 from convgrad.errors import ConvgradValueError, MethodRefused
 from convgrad.explain import fft_view
 
@@ -88,6 +89,13 @@ def test_fft_script_of_batch_zero_gives_zeros() -> None:
     assert out["grad_input"].shape == (0, 2, 7) and not out["grad_weight"].any()
 
 
+def test_fft_script_runs_as_written_and_checks_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    source = _recipe("transposed", method="fft").to_python()
+    exec(compile(source, "recipe.py", "exec"), {"__name__": "__main__"})
+    assert capsys.readouterr().out.startswith("recipe matches torch autograd")
+
+
+@pytest.mark.slow  # a fresh interpreter; the script's run as written is checked in-process above
 def test_fft_script_runs_standalone_and_checks_itself(tmp_path: Path) -> None:
     path = tmp_path / "recipe.py"
     path.write_text(_recipe("transposed", method="fft").to_python())
@@ -154,12 +162,13 @@ def test_fft_frames_are_refused_with_a_typed_error(how: str, tmp_path: Path) -> 
     assert not (tmp_path / "a.gif").exists()
 
 
-def test_cli_explain_method_fft_prints_the_steps_and_refuses_animate(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "convgrad", "explain", "--input", "1,2,9", "--weight", "2,2,4", "--stride", "2"]
-    done = subprocess.run([*cmd, "--method", "fft", "--plot", str(tmp_path / "f.png")], capture_output=True,
-                          text=True, check=True)
-    assert "by the convolution theorem" in done.stdout and (tmp_path / "f.png").stat().st_size > 0
-    failed = subprocess.run([*cmd, "--weight-method", "fft", "--animate", str(tmp_path / "f.gif")],
-                            capture_output=True, text=True)
-    assert failed.returncode != 0 and "explain --animate: method='fft' has no frames for grad_weight" in failed.stderr
-    assert failed.stdout == "" and not (tmp_path / "f.gif").exists()  # refused before the text is printed
+def test_cli_explain_method_fft_prints_the_steps_and_refuses_animate(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # in-process (issue 26: the CLI's own tests call main(argv); test_cli.py keeps the two subprocess smoke tests)
+    argv = ["explain", "--input", "1,2,9", "--weight", "2,2,4", "--stride", "2"]
+    assert cli.main([*argv, "--method", "fft", "--plot", str(tmp_path / "f.png")]) == 0
+    assert "by the convolution theorem" in capsys.readouterr().out and (tmp_path / "f.png").stat().st_size > 0
+    assert cli.main([*argv, "--weight-method", "fft", "--animate", str(tmp_path / "f.gif")]) == 2
+    out, err = capsys.readouterr()
+    assert "explain --animate: method='fft' has no frames for grad_weight" in err
+    assert out == "" and not (tmp_path / "f.gif").exists()  # refused before the text is printed
