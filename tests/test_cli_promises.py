@@ -136,6 +136,7 @@ def test_demo_out_onto_an_existing_file_says_so(tmp_path: Path, capsys: pytest.C
 
 
 
+@pytest.mark.slow  # the demo trains (issue 26: training runs in the slow tier, with tests/test_demo.py)
 def test_demo_summary_records_the_steps_that_ran(tmp_path: Path) -> None:
     """Before: `--steps 2 --epochs 3` recorded "epochs": 3, though 2 steps are a fraction of one epoch."""
     assert cli.main(["demo", "--out", str(tmp_path), "--steps", "2", "--epochs", "3"]) == 0
