@@ -264,10 +264,8 @@ def test_animate_writes_webp_and_explains_mp4_without_ffmpeg(tmp_path: Path, mon
         recipe.animate(tmp_path / "missing" / "a.gif")
 
 
-# 2d pages are written in the fast tier by test_cli_animates_and_writes_html_with_a_chosen_method and
-# test_cli_promises; the zero-insert frames are drawn there by test_frames_are_800_px_wide...
-@pytest.mark.parametrize("name", ["1d-dilated", *(pytest.param(n, marks=pytest.mark.slow)
-                                                  for n in ("2d-zero-insert", "3d-transposed"))], ids=str)
+@pytest.mark.parametrize("name", ["1d-dilated", "2d-zero-insert",
+                                  pytest.param("3d-transposed", marks=pytest.mark.slow)], ids=str)
 def test_html_is_self_contained(name: str, tmp_path: Path) -> None:
     recipe = _recipe(name)
     page = recipe.to_html(tmp_path / "a.html", max_frames=6).read_text()
