@@ -100,17 +100,18 @@ def fft_kernel_rows(sizes: tuple[int, ...], a: int, b: int, batch: int, budget: 
     (sizes[-1] // 2 + 1)`` frequencies of a real transform of ``sizes``. When they fit ``kernel_budget`` reals, all
     ``a`` rows and the whole ``batch`` (the chunking over groups and samples, ``fft_chunks``, decides alone);
     else as many rows as fit it (at least 1, split evenly), and as many samples as fit ``budget`` with their
-    spectra of x and y, ``(a + b)`` per frequency (at least 1). A dense layer (one group) thus holds a slice of its
-    kernel spectra at a time, not all of them.
+    spectra of x and of y's rows in the slice, ``(rows + b)`` per frequency (at least 1): x's spectra are
+    transformed again for every slice unless the batch is one chunk. A dense layer (one group) thus holds a slice
+    of its kernel spectra at a time, not all of them.
 
     Examples:
         >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=1000, kernel_budget=400)  # 8 * 4 * 12 = 384 fit
         (8, 3)
-        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=300, kernel_budget=200)  # 4 rows of 48 = 192
+        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=200, kernel_budget=200)  # 4 rows of 48 = 192
         (4, 2)
     """
     bins = 2 * math.prod(sizes[:-1]) * (sizes[-1] // 2 + 1)
     if a * b * bins <= kernel_budget:
         return a, max(batch, 1)
     rows = equal_chunk(a, max(1, kernel_budget // (b * bins)))
-    return rows, max(1, min(max(batch, 1), budget // ((a + b) * bins)))
+    return rows, max(1, min(max(batch, 1), budget // ((rows + b) * bins)))

@@ -92,6 +92,8 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
             bins = xf.shape[2:]
             xf = xf.reshape(n1 - n0, g1 - g0, b, -1)  # (n', g', B, F)
+            if whole is None and b > 1:  # laid out (g', F, n', B) once: the per-bin matmul of every row chunk reads it
+                xf = xf.permute(1, 3, 0, 2).contiguous().permute(2, 0, 3, 1)  # (n', g', B, F)
             for r0, r1 in row_ranges:
                 wf = _kernel_bins(wp, a, b, g0, g1, r0, r1, sizes, True, real) if whole is None else whole
                 yf = tf.y_bins(xf, wf).reshape(n1 - n0, (g1 - g0) * (r1 - r0), *bins)  # (n', g'*r', *bins)
@@ -126,9 +128,10 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _x_bins(p: FftPlan, x: torch.Tensor, n0: int, n1: int, g0: int, g1: int) -> torch.Tensor:
-    """The spectra of x's live phases, samples n0:n1 of groups g0:g1: (n', g'*B, *bins)."""
+    """The spectra of x's live phases, samples n0:n1 of groups g0:g1: (n', g', B, F)."""
     part = sliced(x, [slice(n0, n1), slice(g0 * p.group_channels[1], g1 * p.group_channels[1])], 0)  # (n', g'*B0, *i)
-    return tf.forward_transform(tf.to_phases(part, p.dims, p.spec.stride), p.sizes)  # (n', g'*B, *bins)
+    xf = tf.forward_transform(tf.to_phases(part, p.dims, p.spec.stride), p.sizes)  # (n', g'*B, *bins)
+    return xf.reshape(n1 - n0, g1 - g0, p.group_channels[2], -1)  # (n', g', B, F)
 
 
 def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -143,16 +146,18 @@ def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
         # one sample chunk: x's spectra, shared by every row chunk; else per row chunk
         whole = _x_bins(p, x, 0, spec.batch, g0, g1) if len(sample_ranges) == 1 else None
-        for r0, r1 in _ranges(a, p.row_chunk):
+        row_ranges = _ranges(a, p.row_chunk)
+        if whole is not None and len(row_ranges) > 1 and b > 1:  # laid out (g', F, n, B) once for every row chunk
+            whole = whole.permute(1, 3, 0, 2).contiguous().permute(2, 0, 3, 1)  # (n, g', B, F)
+        for r0, r1 in row_ranges:
             acc: torch.Tensor | None = None
             bins: tuple[int, ...] = ()
             for n0, n1 in sample_ranges:
-                xf = _x_bins(p, x, n0, n1, g0, g1) if whole is None else whole  # (n', g'*B, *bins)
-                bins = tuple(xf.shape[2:])
+                xf = _x_bins(p, x, n0, n1, g0, g1) if whole is None else whole  # (n', g', B, F)
                 part = sliced(y, [slice(n0, n1), slice(g0 * a + r0, g1 * a - (a - r1))], 0)  # (n', g'*r', *o)
                 yf = tf.reversed_spectrum(tf.forward_transform(part, sizes), nd, real)  # (n', g'*r', *bins)
-                term = tf.w_bins(xf.reshape(n1 - n0, g1 - g0, b, -1),
-                                 yf.reshape(n1 - n0, g1 - g0, r1 - r0, -1))  # (g', r', B, F)
+                bins = tuple(yf.shape[2:])
+                term = tf.w_bins(xf, yf.reshape(n1 - n0, g1 - g0, r1 - r0, -1))  # (g', r', B, F)
                 acc = term if acc is None else acc + term
             wf = acc.reshape((g1 - g0) * (r1 - r0), b, *bins)  # type: ignore[union-attr]  # (g'*r', B, *bins)
             parts.append(tf.first_rows(tf.inverse_transform(wf, sizes, real), q).contiguous())  # (g'*r', B, *Q)
