@@ -165,6 +165,18 @@ def test_fft_kernel_spectra_held_a_slice_of_rows_at_a_time_give_the_same_result(
     assert _normwise(get_backend("fft").forward(spec, t["input"], t["weight"]), ref) <= NORMWISE_F64
 
 
+@pytest.mark.parametrize("case", [ROW_CHUNKED[1], ROW_CHUNKED[2]], ids=lambda c: c.name)
+def test_fft_kernel_rows_in_slices_complex(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Complex data through the row slices: the reversed spectrum of a complex kernel is a flip and roll, not conj."""
+    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+    assert fft.plan(case.spec(), "grad_input").row_chunk < case.spec().y_channels
+    t = {k: torch.complex(v, v.flip(0) if v.dim() else v) for k, v in make_tensors(case).items()}
+    ref = reference_grads(case, t)
+    gi, gw = _ours(case, t)
+    assert _normwise(gi, ref["grad_input"]) <= NORMWISE_F64
+    assert _normwise(gw, ref["grad_weight"]) <= NORMWISE_F64
+
+
 def test_fft_kernel_rows_split_evenly_within_the_kernel_budget() -> None:
     """hifigan.up16s8's sizes: one group, A = 512 rows of B = 256 * 8 phases; the rows held fit the weight's size."""
     spec = ConvSpec.from_shapes((4, 512, 200), (512, 256, 16), stride=8, padding=4, transposed=True)
