@@ -99,7 +99,7 @@ def fft_kernel_rows(sizes: tuple[int, ...], a: int, b: int, batch: int, budget: 
     One group's kernel spectra hold ``a * b`` complex bins per frequency, ``F = prod(sizes[:-1]) *
     (sizes[-1] // 2 + 1)`` frequencies of a real transform of ``sizes``. When they fit ``kernel_budget`` reals, all
     ``a`` rows and the whole ``batch`` (the chunking over groups and samples, ``fft_chunks``, decides alone);
-    else as many rows as fit it (at least 1, split evenly), and as many samples as fit ``budget`` with their
+    else as many rows as fit ``budget`` (at least 1, split evenly), and as many samples as fit it with their
     spectra of x and of y's rows in the slice, ``(rows + b)`` per frequency (at least 1): x's spectra are
     transformed again for every slice unless the batch is one chunk. A dense layer (one group) thus holds a slice
     of its kernel spectra at a time, not all of them.
@@ -109,9 +109,11 @@ def fft_kernel_rows(sizes: tuple[int, ...], a: int, b: int, batch: int, budget: 
         (8, 3)
         >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=200, kernel_budget=200)  # 4 rows of 48 = 192
         (4, 2)
+        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=100, kernel_budget=300)  # 2 rows of 48 = 96
+        (2, 1)
     """
     bins = 2 * math.prod(sizes[:-1]) * (sizes[-1] // 2 + 1)
     if a * b * bins <= kernel_budget:
         return a, max(batch, 1)
-    rows = equal_chunk(a, max(1, kernel_budget // (b * bins)))
+    rows = equal_chunk(a, max(1, budget // (b * bins)))
     return rows, max(1, min(max(batch, 1), budget // ((rows + b) * bins)))

@@ -59,17 +59,28 @@ def _several(p: FftPlan) -> bool:
 
 
 def _rows(wp: torch.Tensor, a: int, g0: int, g1: int, r0: int, r1: int) -> torch.Tensor:
-    """Kernel rows r0:r1 of each of the groups g0:g1: (g'*r', B, *Q) of wp (C_y, B, *Q)."""
+    """Kernel rows r0:r1 of each of the groups g0:g1: (g'*r', *rest) of wp (C_y, *rest)."""
     if r1 - r0 == a:
-        return sliced(wp, [slice(g0 * a, g1 * a)], 0)  # (g'*A, B, *Q)
-    wg = wp.reshape(-1, a, *wp.shape[1:])  # (g, A, B, *Q)
-    return wg[g0:g1, r0:r1].reshape(-1, *wp.shape[1:])  # (g'*r', B, *Q)
+        return sliced(wp, [slice(g0 * a, g1 * a)], 0)  # (g'*A, *rest)
+    wg = wp.reshape(-1, a, *wp.shape[1:])  # (g, A, *rest)
+    return wg[g0:g1, r0:r1].reshape(-1, *wp.shape[1:])  # (g'*r', *rest)
 
 
-def _kernel_bins(wp: torch.Tensor, a: int, b: int, g0: int, g1: int, r0: int, r1: int, sizes: Shape,
-                 reverse: bool, real: bool) -> torch.Tensor:
-    """The spectra of kernel rows r0:r1 of groups g0:g1, reversed (W(-f), for y from x) or not: (g', r', B, F)."""
-    wf = tf.forward_transform(_rows(wp, a, g0, g1, r0, r1), sizes)  # (g'*r', B, *bins)
+def _kernel(p: FftPlan, w: torch.Tensor) -> torch.Tensor:
+    """The phase kernels (C_y, B, *Q) placed once when a group's rows are one chunk; else w itself (C_y, B0, *k),
+    each row slice placed as it is transformed (the placed whole is the weight's size again)."""
+    return tf.place_taps(w, p.dims) if p.row_chunk == p.group_channels[0] else w
+
+
+def _kernel_bins(p: FftPlan, kernel: torch.Tensor, g0: int, g1: int, r0: int, r1: int, reverse: bool,
+                 real: bool) -> torch.Tensor:
+    """The spectra of kernel rows r0:r1 of groups g0:g1 (of ``_kernel``), reversed (W(-f), for y from x) or not:
+    (g', r', B, F)."""
+    (a, _, b), sizes = p.group_channels, p.sizes
+    rows = _rows(kernel, a, g0, g1, r0, r1)  # (g'*r', B or B0, *Q or *k)
+    if p.row_chunk < a:
+        rows = tf.place_taps(rows, p.dims)  # (g'*r', B, *Q)
+    wf = tf.forward_transform(rows, sizes)  # (g'*r', B, *bins)
     if reverse:
         wf = tf.reversed_spectrum(wf, len(sizes), real)
     return wf.reshape(g1 - g0, r1 - r0, b, -1)  # (g', r', B, F)
@@ -81,12 +92,12 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     a, b0, b = p.group_channels
     if spec.batch == 0:
         return x.new_zeros(spec.y_shape)
-    wp = tf.place_taps(w, dims)  # (C_y, B, *Q)
+    kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
     out = _Output(spec.y_shape, _several(p), x, w)
     row_ranges = _ranges(a, p.row_chunk)
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
         # one row chunk: the group chunk's kernel spectra, shared by its sample chunks; else per row chunk
-        whole = _kernel_bins(wp, a, b, g0, g1, 0, a, sizes, True, real) if len(row_ranges) == 1 else None
+        whole = _kernel_bins(p, kernel, g0, g1, 0, a, True, real) if len(row_ranges) == 1 else None
         for n0, n1 in _ranges(spec.batch, p.chunks[1]):
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
             xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
@@ -95,7 +106,7 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             if whole is None and b > 1:  # laid out (g', F, n', B) once: the per-bin matmul of every row chunk reads it
                 xf = xf.permute(1, 3, 0, 2).contiguous().permute(2, 0, 3, 1)  # (n', g', B, F)
             for r0, r1 in row_ranges:
-                wf = _kernel_bins(wp, a, b, g0, g1, r0, r1, sizes, True, real) if whole is None else whole
+                wf = _kernel_bins(p, kernel, g0, g1, r0, r1, True, real) if whole is None else whole
                 yf = tf.y_bins(xf, wf).reshape(n1 - n0, (g1 - g0) * (r1 - r0), *bins)  # (n', g'*r', *bins)
                 part = tf.first_rows(tf.inverse_transform(yf, sizes, real), spec.y_size)  # (n', g'*r', *o)
                 out.put(n0, n1, g0 * a + r0, g1 * a - (a - r1), part)  # rows < A only with one group per chunk
@@ -108,18 +119,18 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     a, b0, b = p.group_channels
     if spec.batch == 0:
         return y.new_zeros(spec.x_shape)
-    wp = tf.place_taps(w, dims)  # (C_y, B, *Q)
+    kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
     out = _Output(spec.x_shape, _several(p), y, w)
     row_ranges = _ranges(a, p.row_chunk)
     for g0, g1 in _ranges(spec.groups, p.chunks[0]):
-        whole = _kernel_bins(wp, a, b, g0, g1, 0, a, sizes, False, real) if len(row_ranges) == 1 else None
+        whole = _kernel_bins(p, kernel, g0, g1, 0, a, False, real) if len(row_ranges) == 1 else None
         for n0, n1 in _ranges(spec.batch, p.chunks[1]):
             yf = tf.forward_transform(sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0), sizes)  # (n', g'*A, *bins)
             bins = yf.shape[2:]
             yf = yf.reshape(n1 - n0, g1 - g0, a, -1)  # (n', g', A, F)
             xf: torch.Tensor | None = None
             for r0, r1 in row_ranges:  # X[n, b] = sum over the row chunks of sum_a Y[n, a] W[a, b]
-                wf = _kernel_bins(wp, a, b, g0, g1, r0, r1, sizes, False, real) if whole is None else whole
+                wf = _kernel_bins(p, kernel, g0, g1, r0, r1, False, real) if whole is None else whole
                 term = tf.x_bins(sliced(yf, [slice(r0, r1)], 2), wf)  # (n', g', B, F)
                 xf = term if xf is None else xf + term
             xs = tf.inverse_transform(xf.reshape(n1 - n0, (g1 - g0) * b, *bins), sizes, real)  # type: ignore[union-attr]  # (n', g'*B, *L)
