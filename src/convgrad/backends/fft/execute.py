@@ -12,6 +12,7 @@ import torch
 
 from convgrad.backends.fft import transforms as tf
 from convgrad.backends.fft.plans import FftPlan
+from convgrad.spec.chunks import chunk_ranges
 from convgrad.tensor_ops import batched_like, sliced
 
 __all__ = ["execute"]
@@ -29,10 +30,6 @@ def execute(p: FftPlan, data: torch.Tensor, other: torch.Tensor) -> torch.Tensor
         data, other = data.float(), other.float()
     run = {"y_from_x": _y_from_x, "x_from_y": _x_from_y, "w_from_xy": _w_from_xy}[p.kind]
     return run(p, data, other).to(dtype)
-
-
-def _ranges(total: int, step: int) -> list[tuple[int, int]]:
-    return [(j, min(j + step, total)) for j in range(0, total, step)]
 
 
 class _Output:
@@ -94,11 +91,11 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(spec.y_shape)
     kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
     out = _Output(spec.y_shape, _several(p), x, w)
-    row_ranges = _ranges(a, p.row_chunk)
-    for g0, g1 in _ranges(spec.groups, p.chunks[0]):
+    row_ranges = chunk_ranges(a, p.row_chunk)
+    for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
         # one row chunk: the group chunk's kernel spectra, shared by its sample chunks; else per row chunk
         whole = _kernel_bins(p, kernel, g0, g1, 0, a, True, real) if len(row_ranges) == 1 else None
-        for n0, n1 in _ranges(spec.batch, p.chunks[1]):
+        for n0, n1 in chunk_ranges(spec.batch, p.chunks[1]):
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
             xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
             bins = xf.shape[2:]
@@ -121,10 +118,10 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return y.new_zeros(spec.x_shape)
     kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
     out = _Output(spec.x_shape, _several(p), y, w)
-    row_ranges = _ranges(a, p.row_chunk)
-    for g0, g1 in _ranges(spec.groups, p.chunks[0]):
+    row_ranges = chunk_ranges(a, p.row_chunk)
+    for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
         whole = _kernel_bins(p, kernel, g0, g1, 0, a, False, real) if len(row_ranges) == 1 else None
-        for n0, n1 in _ranges(spec.batch, p.chunks[1]):
+        for n0, n1 in chunk_ranges(spec.batch, p.chunks[1]):
             yf = tf.forward_transform(sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0), sizes)  # (n', g'*A, *bins)
             bins = yf.shape[2:]
             yf = yf.reshape(n1 - n0, g1 - g0, a, -1)  # (n', g', A, F)
@@ -153,11 +150,11 @@ def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(spec.weight_shape)
     q = tuple(d.taps for d in dims)
     parts = []
-    sample_ranges = _ranges(spec.batch, p.chunks[1])
-    for g0, g1 in _ranges(spec.groups, p.chunks[0]):
+    sample_ranges = chunk_ranges(spec.batch, p.chunks[1])
+    for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
         # one sample chunk: x's spectra, shared by every row chunk; else per row chunk
         whole = _x_bins(p, x, 0, spec.batch, g0, g1) if len(sample_ranges) == 1 else None
-        row_ranges = _ranges(a, p.row_chunk)
+        row_ranges = chunk_ranges(a, p.row_chunk)
         if whole is not None and len(row_ranges) > 1 and b > 1:  # laid out (g', F, n, B) once for every row chunk
             whole = whole.permute(1, 3, 0, 2).contiguous().permute(2, 0, 3, 1)  # (n, g', B, F)
         for r0, r1 in row_ranges:
