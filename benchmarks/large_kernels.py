@@ -2,7 +2,8 @@
 
 Per layer, float32, in one process and interleaved (ratios, not absolute times, are what this measures; on a shared
 machine they are noisy): native's forward and backward (both gradients), fft's forward and backward, auto's forward
-and backward after it has settled (the calls go on until neither choice has a race pending) and the backend it chose
+and backward after it has settled (the calls go on until neither choice has a race pending; a pick marked
+"(unsettled)" was still racing, one marked "(retuned)" changed during the timing) and the backend it chose
 for the forward, grad_input and grad_weight, fft-conv-pytorch 1.2.0's forward + backward (autograd through its FFT
 conv; forward convs only) against fft's and auto's forward + backward, and the peak of live bytes in PyTorch's CPU
 allocator during one backward by native, fft and auto (the torch profiler's memory events, profile_memory=True).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -32,11 +34,24 @@ from convgrad.spec import ConvSpec
 
 
 def _time(f: Callable[[], object], min_time: float) -> float:
-    f()
     # Timer runs at 1 thread unless told: auto's choices are keyed by the thread count, so at 1 thread it would tune
     # afresh inside the timing (and every contender would run at 1 thread, not --threads)
     timer = benchmark.Timer("f()", globals={"f": f}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_time).median
+
+
+def time_interleaved(calls: dict[str, Callable[[], object]], min_time: float, rounds: int = 3,
+                     measure: Callable[[Callable[[], object], float], float] = _time) -> dict[str, float]:
+    """Each call's median time over ``rounds`` rounds, every call timed once per round (``measure(f, seconds)``),
+    after one warm-up call of each. Interleaved, so that what one contender leaves behind (fft's multi-GB, many-second
+    calls on a dense layer) or a change of load weighs on every contender alike, not on those timed after it."""
+    for f in calls.values():
+        f()
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k, f in calls.items():
+            samples[k].append(measure(f, min_time / rounds))
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def peak_bytes(f: Callable[[], object]) -> int:
@@ -75,20 +90,24 @@ def _fft_conv_pytorch(spec: ConvSpec, x: torch.Tensor, w: torch.Tensor, gy: torc
     return step
 
 
-def _settle(call: Callable[[], object], key: Callable[[], object], most: int = 64) -> str:
-    """Call until auto's choice for ``key`` exists with no race pending (at most ``most`` calls); its name."""
+def pick(choice: object) -> str:
+    """A choice's name per gradient, ``gi/gw`` ("native/native" for none), "(unsettled)" while a race is pending."""
+    if choice is None:
+        return "native/native"
+    name: str = choice.backend  # type: ignore[attr-defined]
+    named = "/".join(choice.parts) if name == "split" else f"{name}/{name}"  # type: ignore[attr-defined]
+    return named + (" (unsettled)" if choice.pending else "")  # type: ignore[attr-defined]
+
+
+def settle(call: Callable[[], object], key: Callable[[], object], most: int = 256) -> str:
+    """Call until auto's choice for ``key`` exists with no race pending (at most ``most`` calls: an exploration of
+    five options runs up to 7 rounds of 2 calls each, 70 calls); ``pick`` of it."""
     for _ in range(most):
         call()
         choice = key()
         if choice is not None and not choice.pending:  # type: ignore[attr-defined]
             break
-    choice = key()
-    if choice is None:
-        return "native"
-    if choice.backend == "split":  # type: ignore[attr-defined]
-        return "/".join(choice.parts)  # type: ignore[attr-defined]
-    name: str = choice.backend  # type: ignore[attr-defined]
-    return f"{name}/{name}"
+    return pick(key())
 
 
 def measure(layer: Layer, min_time: float) -> dict[str, object]:
@@ -101,19 +120,25 @@ def measure(layer: Layer, min_time: float) -> dict[str, object]:
         "native_bwd": lambda: native.gradients(spec, gy, x, w, True, True),
         "fft_bwd": lambda: fft.gradients(spec, gy, x, w, True, True),
     }
+    contender = _fft_conv_pytorch(spec, x, w, gy)
+    if contender is not None:
+        calls["fftconv_step"] = contender
     with auto.tuning_mode("tune"):
         auto.clear()
         backend = get_backend("auto")
         calls["auto_fwd"] = lambda: auto.forward(spec, x, w, None)
         calls["auto_bwd"] = lambda: backend.gradients(spec, gy, x, w, True, True)
-        picked_bwd = _settle(calls["auto_bwd"], lambda: auto.chosen(spec, "both", gy))
-        picked_fwd = _settle(calls["auto_fwd"], lambda: auto.chosen(spec, "forward", x)).split("/")[0]
-        times = {k: _time(f, min_time) for k, f in calls.items()}
+        keys = {"bwd": lambda: auto.chosen(spec, "both", gy), "fwd": lambda: auto.chosen(spec, "forward", x)}
+        picked = {"bwd": settle(calls["auto_bwd"], keys["bwd"]), "fwd": settle(calls["auto_fwd"], keys["fwd"])}
+        times = time_interleaved(calls, min_time)
+        # a choice forgotten by the drift watch and tuned again inside the timing: its tuning calls were timed
+        picked = {k: v if pick(keys[k]()) == v else f"{v} (retuned)" for k, v in picked.items()}
         peaks = {"native": peak_bytes(calls["native_bwd"]), "fft": peak_bytes(calls["fft_bwd"]),
                  "auto": peak_bytes(calls["auto_bwd"])}
-    contender = _fft_conv_pytorch(spec, x, w, gy)
-    times["fftconv_step"] = _time(contender, min_time) if contender else float("nan")
-    return {"layer": layer.name, "times": times, "auto": f"{picked_fwd}; {picked_bwd}", "peaks": peaks}
+    times.setdefault("fftconv_step", float("nan"))
+    name, _, note = picked["fwd"].partition(" ")  # the forward has one result: "fft/fft" -> "fft"
+    fwd = " ".join([name.split("/")[0], *([note] if note else [])])
+    return {"layer": layer.name, "times": times, "auto": f"{fwd}; {picked['bwd']}", "peaks": peaks}
 
 
 def _row(r: dict[str, object]) -> str:

@@ -139,6 +139,59 @@ def test_fft_chunks_over_groups_and_samples_give_the_same_result(monkeypatch: py
         assert _normwise(a, b) <= NORMWISE_F64
 
 
+ROW_CHUNKED = [
+    Case((3, 6, 20), (7, 6, 9), padding=4, name="1d-dense"),
+    Case((1, 5, 13, 11), (6, 5, 5, 4), stride=2, dilation=(1, 2), padding=((2, 1), (3, 0)), name="2d-dense-strided"),
+    Case((2, 6, 9), (6, 5, 8), stride=4, padding=2, transposed=True, output_padding=1, name="transposed-up-s4"),
+    Case((2, 4, 17), (10, 2, 7), stride=3, padding=3, groups=2, name="grouped-5-rows-per-group"),
+    Case((2, 3, 5, 4, 6), (4, 3, 3, 2, 3), padding=1, name="3d-dense"),
+]
+
+
+@pytest.mark.parametrize("case", ROW_CHUNKED, ids=lambda c: c.name)
+def test_fft_kernel_spectra_held_a_slice_of_rows_at_a_time_give_the_same_result(
+        case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny budget splits a group's kernel spectra into several chunks of rows (y channels), with samples chunked
+    too: the forward and both gradients still match torch autograd in float64 (a dense layer's fft memory, issue 28)."""
+    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+    spec = case.spec()
+    a = spec.y_channels // spec.groups
+    for gradient in ("grad_input", "grad_weight", "output"):
+        p = fft.plan(spec, gradient)
+        assert 1 <= p.row_chunk < a and p.chunks[0] == 1, (gradient, p.row_chunk, p.chunks)
+    _assert_normwise(case)
+    t = make_tensors(case)
+    ref = reference_forward(case, t["input"], t["weight"], None)
+    assert _normwise(get_backend("fft").forward(spec, t["input"], t["weight"]), ref) <= NORMWISE_F64
+
+
+@pytest.mark.parametrize("case", [ROW_CHUNKED[1], ROW_CHUNKED[2]], ids=lambda c: c.name)
+def test_fft_kernel_rows_in_slices_complex(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Complex data through the row slices: the reversed spectrum of a complex kernel is a flip and roll, not conj."""
+    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+    assert fft.plan(case.spec(), "grad_input").row_chunk < case.spec().y_channels
+    t = {k: torch.complex(v, v.flip(0) if v.dim() else v) for k, v in make_tensors(case).items()}
+    ref = reference_grads(case, t)
+    gi, gw = _ours(case, t)
+    assert _normwise(gi, ref["grad_input"]) <= NORMWISE_F64
+    assert _normwise(gw, ref["grad_weight"]) <= NORMWISE_F64
+
+
+def test_fft_kernel_rows_split_evenly_within_the_kernel_budget() -> None:
+    """hifigan.up16s8's sizes: one group, A = 512 rows of B = 256 * 8 phases, spectra far over the weight's size:
+    the rows held at once fit the chunk budget."""
+    spec = ConvSpec.from_shapes((4, 512, 200), (512, 256, 16), stride=8, padding=4, transposed=True)
+    p = fft.plan(spec, "grad_weight")
+    bins = 2 * (p.sizes[-1] // 2 + 1)
+    a, _, b = p.group_channels
+    assert (a, b) == (512, 2048)
+    budget = max(fft_plans.CHUNK_MIN_REALS, spec.side_elements // 4)
+    assert 1 <= p.row_chunk < a and p.row_chunk * b * bins <= budget  # a slice within the chunk budget
+    depthwise = ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256)
+    assert fft.plan(depthwise, "grad_weight").row_chunk == 1  # A = 1: all rows, chunked as before
+    assert fft.plan(depthwise, "grad_weight").chunks == depthwise.fft_chunks(1, depthwise.side_elements // 4)
+
+
 def test_fft_transform_length_drops_the_padding_rows_that_wrap_onto_zeros() -> None:
     """L = smooth(U - min(lead, trail)): 45 for a 31x31 kernel padded 15 on 28 rows (U = 58), U itself when causal."""
     dims = ConvSpec.from_shapes((1, 1, 28, 28), (1, 1, 31, 31), padding=15).fft_phases

@@ -1,7 +1,9 @@
-"""The fft backend's execution: run a plan (``plans.plan``) chunk by chunk over groups and samples.
+"""The fft backend's execution: run a plan (``plans.plan``) chunk by chunk over groups, samples and kernel rows.
 
 Per chunk: the phases of x (or y) transformed, the kernel spectra of the chunk's groups, the per-bin product,
-the inverse transform and the crop, written into the result.
+the inverse transform and the crop, written into the result. A dense layer's kernel spectra are held a slice of
+rows (y channels) at a time (``FftPlan.row_chunk``): y's rows computed per slice, x's sums accumulated over them,
+the weight's rows inverted per slice.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 
 from convgrad.backends.fft import transforms as tf
 from convgrad.backends.fft.plans import FftPlan
+from convgrad.spec.chunks import chunk_ranges
 from convgrad.tensor_ops import batched_like, sliced
 
 __all__ = ["execute"]
@@ -29,17 +32,13 @@ def execute(p: FftPlan, data: torch.Tensor, other: torch.Tensor) -> torch.Tensor
     return run(p, data, other).to(dtype)
 
 
-def _ranges(total: int, step: int) -> list[tuple[int, int]]:
-    return [(j, min(j + step, total)) for j in range(0, total, step)]
-
-
 class _Output:
     """The result, assembled chunk by chunk: written into one tensor when there are several chunks (a list and a
     cat would hold it twice), a compact copy of the one chunk otherwise (a crop of the inverse transform is a view
     that would keep the whole transform alive)."""
 
-    def __init__(self, shape: Shape, chunks: tuple[int, int], data: torch.Tensor, kernel: torch.Tensor) -> None:
-        self.shape, self.several = shape, chunks[0] < shape[1] or chunks[1] < shape[0]
+    def __init__(self, shape: Shape, several: bool, data: torch.Tensor, kernel: torch.Tensor) -> None:
+        self.shape, self.several = shape, several
         self.data, self.kernel = data, kernel
         self.tensor = batched_like(batched_like(data.new_empty(shape), kernel), data) if self.several else data
 
@@ -50,25 +49,64 @@ class _Output:
             self.tensor = part.contiguous()
 
 
+def _several(p: FftPlan) -> bool:
+    """Whether the plan runs in more than one chunk (of groups, samples or kernel rows)."""
+    a = p.group_channels[0]
+    return p.chunks[0] < p.spec.groups or p.chunks[1] < p.spec.batch or p.row_chunk < a
+
+
+def _rows(wp: torch.Tensor, a: int, g0: int, g1: int, r0: int, r1: int) -> torch.Tensor:
+    """Kernel rows r0:r1 of each of the groups g0:g1: (g'*r', *rest) of wp (C_y, *rest)."""
+    if r1 - r0 == a:
+        return sliced(wp, [slice(g0 * a, g1 * a)], 0)  # (g'*A, *rest)
+    wg = wp.reshape(-1, a, *wp.shape[1:])  # (g, A, *rest)
+    return wg[g0:g1, r0:r1].reshape(-1, *wp.shape[1:])  # (g'*r', *rest)
+
+
+def _kernel(p: FftPlan, w: torch.Tensor) -> torch.Tensor:
+    """The phase kernels (C_y, B, *Q) placed once when a group's rows are one chunk; else w itself (C_y, B0, *k),
+    each row slice placed as it is transformed (the placed whole is the weight's size again)."""
+    return tf.place_taps(w, p.dims) if p.row_chunk == p.group_channels[0] else w
+
+
+def _kernel_bins(p: FftPlan, kernel: torch.Tensor, g0: int, g1: int, r0: int, r1: int, reverse: bool,
+                 real: bool) -> torch.Tensor:
+    """The spectra of kernel rows r0:r1 of groups g0:g1 (of ``_kernel``), reversed (W(-f), for y from x) or not:
+    (g', r', B, F)."""
+    (a, _, b), sizes = p.group_channels, p.sizes
+    rows = _rows(kernel, a, g0, g1, r0, r1)  # (g'*r', B or B0, *Q or *k)
+    if p.row_chunk < a:
+        rows = tf.place_taps(rows, p.dims)  # (g'*r', B, *Q)
+    wf = tf.forward_transform(rows, sizes)  # (g'*r', B, *bins)
+    if reverse:
+        wf = tf.reversed_spectrum(wf, len(sizes), real)
+    return wf.reshape(g1 - g0, r1 - r0, b, -1)  # (g', r', B, F)
+
+
 def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
     real = not (x.is_complex() or w.is_complex())
-    (a, b0, b), nd = p.group_channels, spec.n
+    a, b0, b = p.group_channels
     if spec.batch == 0:
         return x.new_zeros(spec.y_shape)
-    wp = tf.place_taps(w, dims)  # (C_y, B, *Q)
-    out = _Output(spec.y_shape, p.chunks, x, w)
-    for g0, g1 in _ranges(spec.groups, p.chunks[0]):
-        wf = tf.reversed_spectrum(tf.forward_transform(sliced(wp, [slice(g0 * a, g1 * a)], 0), sizes), nd, real)
-        wf = wf.reshape(g1 - g0, a, b, -1)  # (g', A, B, F)
-        for n0, n1 in _ranges(spec.batch, p.chunks[1]):
+    kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
+    out = _Output(spec.y_shape, _several(p), x, w)
+    row_ranges = chunk_ranges(a, p.row_chunk)
+    for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
+        # one row chunk: the group chunk's kernel spectra, shared by its sample chunks; else per row chunk
+        whole = _kernel_bins(p, kernel, g0, g1, 0, a, True, real) if len(row_ranges) == 1 else None
+        for n0, n1 in chunk_ranges(spec.batch, p.chunks[1]):
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
             xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
             bins = xf.shape[2:]
             xf = xf.reshape(n1 - n0, g1 - g0, b, -1)  # (n', g', B, F)
-            yf = tf.y_bins(xf, wf).reshape(n1 - n0, (g1 - g0) * a, *bins)  # (n', g'*A, *bins)
-            part = tf.first_rows(tf.inverse_transform(yf, sizes, real), spec.y_size)  # (n', g'*A, *o)
-            out.put(n0, n1, g0 * a, g1 * a, part)
+            if whole is None and b > 1:  # laid out (g', F, n', B) once: the per-bin matmul of every row chunk reads it
+                xf = xf.permute(1, 3, 0, 2).contiguous().permute(2, 0, 3, 1)  # (n', g', B, F)
+            for r0, r1 in row_ranges:
+                wf = _kernel_bins(p, kernel, g0, g1, r0, r1, True, real) if whole is None else whole
+                yf = tf.y_bins(xf, wf).reshape(n1 - n0, (g1 - g0) * (r1 - r0), *bins)  # (n', g'*r', *bins)
+                part = tf.first_rows(tf.inverse_transform(yf, sizes, real), spec.y_size)  # (n', g'*r', *o)
+                out.put(n0, n1, g0 * a + r0, g1 * a - (a - r1), part)  # rows < A only with one group per chunk
     return out.tensor  # (N, C_y, *o)
 
 
@@ -78,17 +116,30 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     a, b0, b = p.group_channels
     if spec.batch == 0:
         return y.new_zeros(spec.x_shape)
-    wp = tf.place_taps(w, dims)  # (C_y, B, *Q)
-    out = _Output(spec.x_shape, p.chunks, y, w)
-    for g0, g1 in _ranges(spec.groups, p.chunks[0]):
-        wf = tf.forward_transform(sliced(wp, [slice(g0 * a, g1 * a)], 0), sizes).reshape(g1 - g0, a, b, -1)
-        for n0, n1 in _ranges(spec.batch, p.chunks[1]):
+    kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
+    out = _Output(spec.x_shape, _several(p), y, w)
+    row_ranges = chunk_ranges(a, p.row_chunk)
+    for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
+        whole = _kernel_bins(p, kernel, g0, g1, 0, a, False, real) if len(row_ranges) == 1 else None
+        for n0, n1 in chunk_ranges(spec.batch, p.chunks[1]):
             yf = tf.forward_transform(sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0), sizes)  # (n', g'*A, *bins)
             bins = yf.shape[2:]
-            xf = tf.x_bins(yf.reshape(n1 - n0, g1 - g0, a, -1), wf)  # (n', g', B, F)
-            xs = tf.inverse_transform(xf.reshape(n1 - n0, (g1 - g0) * b, *bins), sizes, real)  # (n', g'*B, *L)
+            yf = yf.reshape(n1 - n0, g1 - g0, a, -1)  # (n', g', A, F)
+            xf: torch.Tensor | None = None
+            for r0, r1 in row_ranges:  # X[n, b] = sum over the row chunks of sum_a Y[n, a] W[a, b]
+                wf = _kernel_bins(p, kernel, g0, g1, r0, r1, False, real) if whole is None else whole
+                term = tf.x_bins(sliced(yf, [slice(r0, r1)], 2), wf)  # (n', g', B, F)
+                xf = term if xf is None else xf + term
+            xs = tf.inverse_transform(xf.reshape(n1 - n0, (g1 - g0) * b, *bins), sizes, real)  # type: ignore[union-attr]  # (n', g'*B, *L)
             out.put(n0, n1, g0 * b0, g1 * b0, tf.from_phases(xs, dims, spec.stride, (g1 - g0) * b0))  # (n', g'*B0, *i)
     return out.tensor  # (N, C_x, *i)
+
+
+def _x_bins(p: FftPlan, x: torch.Tensor, n0: int, n1: int, g0: int, g1: int) -> torch.Tensor:
+    """The spectra of x's live phases, samples n0:n1 of groups g0:g1: (n', g', B, F)."""
+    part = sliced(x, [slice(n0, n1), slice(g0 * p.group_channels[1], g1 * p.group_channels[1])], 0)  # (n', g'*B0, *i)
+    xf = tf.forward_transform(tf.to_phases(part, p.dims, p.spec.stride), p.sizes)  # (n', g'*B, *bins)
+    return xf.reshape(n1 - n0, g1 - g0, p.group_channels[2], -1)  # (n', g', B, F)
 
 
 def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -99,18 +150,24 @@ def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(spec.weight_shape)
     q = tuple(d.taps for d in dims)
     parts = []
-    for g0, g1 in _ranges(spec.groups, p.chunks[0]):
-        acc: torch.Tensor | None = None
-        bins: tuple[int, ...] = ()
-        for n0, n1 in _ranges(spec.batch, p.chunks[1]):
-            part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
-            xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
-            bins = tuple(xf.shape[2:])
-            part = sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0)  # (n', g'*A, *o)
-            yf = tf.reversed_spectrum(tf.forward_transform(part, sizes), nd, real)  # (n', g'*A, *bins)
-            term = tf.w_bins(xf.reshape(n1 - n0, g1 - g0, b, -1), yf.reshape(n1 - n0, g1 - g0, a, -1))  # (g',A,B,F)
-            acc = term if acc is None else acc + term
-        wf = acc.reshape((g1 - g0) * a, b, *bins)  # type: ignore[union-attr]  # (g'*A, B, *bins)
-        parts.append(tf.first_rows(tf.inverse_transform(wf, sizes, real), q).contiguous())  # (g'*A, B, *Q)
+    sample_ranges = chunk_ranges(spec.batch, p.chunks[1])
+    for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
+        # one sample chunk: x's spectra, shared by every row chunk; else per row chunk
+        whole = _x_bins(p, x, 0, spec.batch, g0, g1) if len(sample_ranges) == 1 else None
+        row_ranges = chunk_ranges(a, p.row_chunk)
+        if whole is not None and len(row_ranges) > 1 and b > 1:  # laid out (g', F, n, B) once for every row chunk
+            whole = whole.permute(1, 3, 0, 2).contiguous().permute(2, 0, 3, 1)  # (n, g', B, F)
+        for r0, r1 in row_ranges:
+            acc: torch.Tensor | None = None
+            bins: tuple[int, ...] = ()
+            for n0, n1 in sample_ranges:
+                xf = _x_bins(p, x, n0, n1, g0, g1) if whole is None else whole  # (n', g', B, F)
+                part = sliced(y, [slice(n0, n1), slice(g0 * a + r0, g1 * a - (a - r1))], 0)  # (n', g'*r', *o)
+                yf = tf.reversed_spectrum(tf.forward_transform(part, sizes), nd, real)  # (n', g'*r', *bins)
+                bins = tuple(yf.shape[2:])
+                term = tf.w_bins(xf, yf.reshape(n1 - n0, g1 - g0, r1 - r0, -1))  # (g', r', B, F)
+                acc = term if acc is None else acc + term
+            wf = acc.reshape((g1 - g0) * (r1 - r0), b, *bins)  # type: ignore[union-attr]  # (g'*r', B, *bins)
+            parts.append(tf.first_rows(tf.inverse_transform(wf, sizes, real), q).contiguous())  # (g'*r', B, *Q)
     wp = torch.cat(parts, 0) if len(parts) > 1 else parts[0]  # (C_y, B, *Q)
     return tf.read_taps(wp, dims, b0)  # (C_y, C_x/g, *k)

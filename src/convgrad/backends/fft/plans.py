@@ -1,8 +1,8 @@
 """The fft backend's plans: from a ``ConvSpec`` (shapes only) the steps of one result, which ``explain`` shows.
 
 A plan names its kind (KINDS: which side is computed from which), the polyphase split of every dim
-(``ConvSpec.fft_phases``), the chunks (groups, samples) and its steps: pad, phases, taps, transform, product,
-inverse, crop.
+(``ConvSpec.fft_phases``), the chunks (groups, samples, and the kernel rows of one group a dense layer's spectra
+are split into) and its steps: pad, phases, taps, transform, product, inverse, crop.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec, FftDim
+from convgrad.spec.chunks import fft_kernel_rows
 
 __all__ = ["CHUNK_MIN_REALS", "KINDS", "FftPlan", "FftStep", "plan"]
 
@@ -51,6 +52,12 @@ class FftPlan:
     chunks: tuple[int, int]  # (groups, samples) per chunk
     steps: tuple[FftStep, ...]
     method: str = "fft"
+    rows: int = 0  # kernel rows (y channels of one group) whose spectra are held at once; 0: all of them
+
+    @property
+    def row_chunk(self) -> int:
+        """The kernel rows per chunk: ``rows``, or all C_y/g when 0. Fewer than all only with one group per chunk."""
+        return self.rows or self.spec.y_channels // self.spec.groups
 
     @property
     def phase_count(self) -> int:
@@ -99,8 +106,16 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
     kind, dims = kinds[gradient], spec.fft_phases
     p = math.prod(len(d.phases) for d in dims)
-    chunks = spec.fft_chunks(p, max(CHUNK_MIN_REALS, spec.side_elements // 4))
-    return FftPlan(gradient, spec, kind, dims, chunks, _steps(spec, kind, dims, p))
+    budget = max(CHUNK_MIN_REALS, spec.side_elements // 4)
+    chunks = spec.fft_chunks(p, budget)
+    a, b = spec.y_channels // spec.groups, spec.x_channels // spec.groups * p
+    # a group's kernel spectra beyond the weight's own size (a dense layer's: C_y (C_x/g) P F complex) are held a
+    # slice of rows at a time, so that fft's peak stays near native's (issue 28's memory target)
+    rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget,
+                                    max(budget, math.prod(spec.weight_shape)))
+    if rows < a:
+        chunks = (1, samples)
+    return FftPlan(gradient, spec, kind, dims, chunks, _steps(spec, kind, dims, p), rows=rows)
 
 
 def _steps(spec: ConvSpec, kind: str, dims: tuple[FftDim, ...], p: int) -> tuple[FftStep, ...]:
