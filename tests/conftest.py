@@ -1,5 +1,6 @@
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,17 @@ def device(request: pytest.FixtureRequest) -> torch.device:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module of tiny convolutions (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    with more threads than free cores each waits on the thread pool (tens of ms on a loaded machine instead of
+    microseconds). The judge is torch at run time, on the same thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -8,6 +8,7 @@ explicitly padded input (forward) or crops torch's transposed output.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -64,6 +65,25 @@ class Case:
 
     def __str__(self) -> str:
         return self.name or self.spec().describe()
+
+
+def layer_case(name: str, cin: int, cout: int, size: tuple[int, ...], k: tuple[int, ...], batch: int = 3,
+               transposed: bool = False, **kw: object) -> Case:
+    """A Case from channels (C_in -> C_out), spatial size and kernel size, the weight laid out as torch's."""
+    g = int(kw.get("groups", 1))  # type: ignore[call-overload]
+    weight = (cin, cout // g, *k) if transposed else (cout, cin // g, *k)
+    return Case((batch, cin, *size), weight, transposed=transposed, name=name, **kw)  # type: ignore[arg-type]
+
+
+def per_sample_reference(case: Case, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N, *weight_shape): torch autograd's weight gradient of each sample alone (the per-sample oracle)."""
+    one = dataclasses.replace(case, input_shape=(1, *case.input_shape[1:]))
+    n = case.input_shape[0]
+    if n == 0:
+        return t["input"].new_zeros(0, *case.weight_shape)
+    return torch.stack([reference_grads(one, {**t, "input": t["input"][i:i + 1],
+                                              "grad_output": t["grad_output"][i:i + 1]})["grad_weight"]
+                        for i in range(n)])
 
 
 def backend_accepts(backend: str, dtype: torch.dtype, device: torch.device | str) -> bool:

@@ -12,7 +12,7 @@ any of this: AccumulateGrad re-lays ``.grad`` out to the parameter's layout.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -41,14 +41,7 @@ _RANK_FORMAT = {4: torch.channels_last, 5: torch.channels_last_3d}
 LAYOUTS = ("---", "x--", "-w-", "--g")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Thousands of tiny convolutions: with more threads than free cores each waits on the thread pool (tens of
-    ms on a loaded machine instead of microseconds). The judge is torch at run time, on the same thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def channels_last(t: torch.Tensor) -> torch.Tensor:

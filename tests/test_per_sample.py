@@ -15,43 +15,30 @@ from torch.func import functional_call, grad, vmap
 import convgrad as cg
 from convgrad.per_sample import methods, rules
 from convgrad.tuning import Choice
-from helpers import TOL, Case, assert_matches_autograd, make_tensors, reference_forward, reference_grads
+from helpers import TOL, Case, assert_matches_autograd, layer_case, make_tensors, reference_forward, reference_grads
 
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """The tensors here are tiny: a second thread only adds synchronisation (and waits on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-pytestmark = pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel:UserWarning")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel:UserWarning")]
 
 
 # ---- layer level ---------------------------------------------------------------------------------------------------
-def _case(name: str, cin: int, cout: int, size: tuple[int, ...], k: tuple[int, ...], batch: int = 3,
-          transposed: bool = False, **kw: object) -> Case:
-    g = int(kw.get("groups", 1))  # type: ignore[call-overload]
-    weight = (cin, cout // g, *k) if transposed else (cout, cin // g, *k)
-    return Case((batch, cin, *size), weight, transposed=transposed, name=name, **kw)  # type: ignore[arg-type]
-
-
 LAYER_CASES = [
-    _case("groups2-cin4-cout6", 4, 6, (7, 6), (3, 3), groups=2, stride=2, padding=1),
-    _case("depthwise", 4, 4, (6, 6), (3, 3), groups=4, padding=1),
-    _case("depthwise-multiplier-1d", 3, 6, (9,), (3,), groups=3, stride=2),
-    _case("kernel3x1-padding1x0", 2, 3, (6, 5), (3, 1), padding=(1, 0)),
-    _case("same-even-kernel", 2, 3, (7, 6), (4, 2), padding="same"),
-    _case("dilation2-stride2", 2, 4, (9, 8), (3, 3), stride=2, dilation=2, padding=1),
-    _case("3d-groups2-padding-ge-kernel", 4, 2, (3, 4, 3), (2, 2, 2), groups=2, padding=2, stride=(1, 2, 1)),
-    _case("asym-padding-leftover", 3, 3, (8, 7), (2, 3), stride=3, padding=((0, 2), (1, 0)), groups=3),
-    _case("T-output-padding-groups2", 4, 6, (3, 4), (3, 2), transposed=True, stride=2, padding=1,
-          output_padding=1, groups=2),
-    _case("T-dilation3-op2", 2, 3, (3,), (3,), transposed=True, stride=2, dilation=3, output_padding=2),
-    _case("batch1", 2, 3, (5, 5), (3, 3), batch=1, padding=1),
-    _case("batch0", 2, 3, (5, 5), (3, 3), batch=0, stride=2),
+    layer_case("groups2-cin4-cout6", 4, 6, (7, 6), (3, 3), groups=2, stride=2, padding=1),
+    layer_case("depthwise", 4, 4, (6, 6), (3, 3), groups=4, padding=1),
+    layer_case("depthwise-multiplier-1d", 3, 6, (9,), (3,), groups=3, stride=2),
+    layer_case("kernel3x1-padding1x0", 2, 3, (6, 5), (3, 1), padding=(1, 0)),
+    layer_case("same-even-kernel", 2, 3, (7, 6), (4, 2), padding="same"),
+    layer_case("dilation2-stride2", 2, 4, (9, 8), (3, 3), stride=2, dilation=2, padding=1),
+    layer_case("3d-groups2-padding-ge-kernel", 4, 2, (3, 4, 3), (2, 2, 2), groups=2, padding=2, stride=(1, 2, 1)),
+    layer_case("asym-padding-leftover", 3, 3, (8, 7), (2, 3), stride=3, padding=((0, 2), (1, 0)), groups=3),
+    layer_case("T-output-padding-groups2", 4, 6, (3, 4), (3, 2), transposed=True, stride=2, padding=1,
+               output_padding=1, groups=2),
+    layer_case("T-dilation3-op2", 2, 3, (3,), (3,), transposed=True, stride=2, dilation=3, output_padding=2),
+    layer_case("batch1", 2, 3, (5, 5), (3, 3), batch=1, padding=1),
+    layer_case("batch0", 2, 3, (5, 5), (3, 3), batch=0, stride=2),
 ]
 
 
@@ -181,7 +168,7 @@ def test_a_layers_chunks_hold_at_most_its_own_sides_or_one_chunk(monkeypatch: py
 
 def test_ghost_norm_keeps_groups_apart_backpack_batchl2grad_bug() -> None:
     """BackPACK's BatchL2Grad sums the Gram matrices over groups before the inner product; that is wrong."""
-    case = _case("groups2", 4, 4, (6, 6), (3, 3), groups=2, padding=1, batch=2)
+    case = layer_case("groups2", 4, 4, (6, 6), (3, 3), groups=2, padding=1, batch=2)
     t = make_tensors(case, seed=3)
     spec = case.spec()
     ghost = methods.ghost_sq_norms(spec, t["input"], t["grad_output"])

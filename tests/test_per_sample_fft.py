@@ -3,7 +3,6 @@ autograd over single samples; its chunks, its cost model and its place in the pe
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 from collections.abc import Iterator
@@ -18,42 +17,31 @@ from convgrad.backends import auto, get_backend
 from convgrad.backends.fft import per_sample as fft
 from convgrad.per_sample import methods, tuning
 from convgrad.spec import chunks
-from helpers import TOL, Case, make_tensors, reference_grads
+from helpers import TOL, Case, layer_case, make_tensors, per_sample_reference
 
 DT = torch.float64
 NORMWISE = 1e-10  # issue 28: float64 within 1e-10 of autograd, normwise
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _case(name: str, cin: int, cout: int, size: tuple[int, ...], k: tuple[int, ...], batch: int = 3,
-          transposed: bool = False, **kw: object) -> Case:
-    g = int(kw.get("groups", 1))  # type: ignore[call-overload]
-    weight = (cin, cout // g, *k) if transposed else (cout, cin // g, *k)
-    return Case((batch, cin, *size), weight, transposed=transposed, name=name, **kw)  # type: ignore[arg-type]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # the grid, on kernels large enough for fft to be worth it, and small ones (the method serves every layer)
 GRID = [
-    _case("1d-depthwise-long", 3, 3, (40,), (17,), groups=3, padding=8),
-    _case("2d-depthwise-9x9", 4, 4, (12, 11), (9, 9), groups=4, padding=4),
-    _case("2d-stride3-rows-unread", 2, 3, (14, 13), (5, 4), stride=3, padding=1),
-    _case("2d-groups2-of-3", 6, 4, (10, 9), (5, 5), groups=2, padding=2),
-    _case("2d-depthwise-multiplier", 3, 6, (11, 10), (7, 3), groups=3, padding=(3, 1)),
-    _case("2d-dilation2-stride2", 2, 4, (15, 14), (4, 3), stride=2, dilation=2, padding=1),
-    _case("2d-asym-padding", 3, 3, (9, 10), (6, 5), stride=(2, 1), padding=((0, 4), (3, 1)), groups=3),
-    _case("3d-groups2", 4, 2, (5, 6, 5), (3, 4, 3), groups=2, padding=(1, 2, 1), stride=(1, 2, 1)),
-    _case("T1d-output-padding-dilation", 2, 4, (6,), (5,), transposed=True, stride=3, dilation=2, output_padding=2),
-    _case("T2d-output-padding-groups2", 4, 6, (4, 5), (5, 4), transposed=True, stride=2, padding=1,
-          output_padding=1, groups=2),
-    _case("batch1", 2, 3, (9, 9), (7, 7), batch=1, padding=3),
-    _case("batch0", 2, 3, (9, 9), (7, 7), batch=0, stride=2),
+    layer_case("1d-depthwise-long", 3, 3, (40,), (17,), groups=3, padding=8),
+    layer_case("2d-depthwise-9x9", 4, 4, (12, 11), (9, 9), groups=4, padding=4),
+    layer_case("2d-stride3-rows-unread", 2, 3, (14, 13), (5, 4), stride=3, padding=1),
+    layer_case("2d-groups2-of-3", 6, 4, (10, 9), (5, 5), groups=2, padding=2),
+    layer_case("2d-depthwise-multiplier", 3, 6, (11, 10), (7, 3), groups=3, padding=(3, 1)),
+    layer_case("2d-dilation2-stride2", 2, 4, (15, 14), (4, 3), stride=2, dilation=2, padding=1),
+    layer_case("2d-asym-padding", 3, 3, (9, 10), (6, 5), stride=(2, 1), padding=((0, 4), (3, 1)), groups=3),
+    layer_case("3d-groups2", 4, 2, (5, 6, 5), (3, 4, 3), groups=2, padding=(1, 2, 1), stride=(1, 2, 1)),
+    layer_case("T1d-output-padding-dilation", 2, 4, (6,), (5,), transposed=True, stride=3, dilation=2,
+               output_padding=2),
+    layer_case("T2d-output-padding-groups2", 4, 6, (4, 5), (5, 4), transposed=True, stride=2, padding=1,
+               output_padding=1, groups=2),
+    layer_case("batch1", 2, 3, (9, 9), (7, 7), batch=1, padding=3),
+    layer_case("batch0", 2, 3, (9, 9), (7, 7), batch=0, stride=2),
 ]
 
 
@@ -62,24 +50,13 @@ def _kw(case: Case) -> dict[str, object]:
                 transposed=case.transposed, output_padding=case.output_padding)
 
 
-def _loop(case: Case, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(N, *weight_shape): torch autograd's weight gradient of each sample alone."""
-    one = dataclasses.replace(case, input_shape=(1, *case.input_shape[1:]))
-    n = case.input_shape[0]
-    if n == 0:
-        return t["input"].new_zeros(0, *case.weight_shape)
-    return torch.stack([reference_grads(one, {**t, "input": t["input"][i:i + 1],
-                                              "grad_output": t["grad_output"][i:i + 1]})["grad_weight"]
-                        for i in range(n)])
-
-
 def _normwise(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-300)) if b.numel() else 0.0
 
 
 def _check(case: Case) -> None:
     t = make_tensors(case)
-    ref = _loop(case, t)
+    ref = per_sample_reference(case, t)
     gw = cg.per_sample_weight_grad(t["input"], case.weight_shape, t["grad_output"], method="fft", **_kw(case))
     assert gw.shape == ref.shape and gw.dtype == DT
     torch.testing.assert_close(gw, ref, **TOL[DT], msg=lambda m: f"{case} grads: {m}")
@@ -123,7 +100,7 @@ def test_chunk_sizes_fit_the_budget() -> None:
 def test_float32_and_half_precision_accumulate_in_float32() -> None:
     case = GRID[1]
     t = make_tensors(case)
-    ref = _loop(case, t).flatten(1).norm(dim=1)
+    ref = per_sample_reference(case, t).flatten(1).norm(dim=1)
     for dtype, rtol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         got = cg.per_sample_grad_norms(t["input"].to(dtype), case.weight_shape, t["grad_output"].to(dtype),
                                        bias=False, method="fft", **_kw(case))

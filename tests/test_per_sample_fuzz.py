@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import convgrad as cg
-from helpers import TOL, Case, make_tensors, reference_grads
+from helpers import TOL, Case, make_tensors, per_sample_reference
 from test_fuzz import cases
 
 DT = torch.float64
@@ -31,20 +31,10 @@ def batched(draw: Any) -> Case:
     return case
 
 
-def _loop(case: Case, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    one = dataclasses.replace(case, input_shape=(1, *case.input_shape[1:]))
-    n = case.input_shape[0]
-    if n == 0:
-        return t["input"].new_zeros(0, *case.weight_shape)
-    return torch.stack([reference_grads(one, {**t, "input": t["input"][i:i + 1],
-                                              "grad_output": t["grad_output"][i:i + 1]})["grad_weight"]
-                        for i in range(n)])
-
-
 @given(case=batched(), seed=st.integers(0, 2**16))
 def test_every_per_sample_method_matches_a_loop_of_autograd(case: Case, seed: int) -> None:
     t = make_tensors(case, DT, seed=seed)
-    ref = _loop(case, t)
+    ref = per_sample_reference(case, t)
     kw = dict(stride=case.stride, padding=case.padding, dilation=case.dilation, groups=case.groups,
               transposed=case.transposed, output_padding=case.output_padding)
     for method in METHODS:
