@@ -49,14 +49,8 @@ def test_auto_with_one_gradient_compiles_in_one_graph(monkeypatch: pytest.Monkey
     torch.testing.assert_close(ours.weight.grad, ref.weight.grad, **TOL[F64])
 
 
-# the fft backend (landed beside this test) is not traceable yet: Dynamo fails in fft.execute with "Failed to convert
-# args/kwargs to proxy"; strict, so that the fix shows up here
-_FFT_UNTRACEABLE = pytest.mark.xfail(strict=True, reason="fft backend: Dynamo cannot trace its plan execution yet")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=_FFT_UNTRACEABLE) if b == "fft" else b
-                                     for b in cg.backends() if b != "numpy"])
+@pytest.mark.parametrize("backend", [b for b in cg.backends() if b != "numpy"])
 def test_a_fresh_process_compiles_every_backend_in_one_graph(backend: str) -> None:
     """The first lookup of a backend imported the built-in backends (__import__), which Dynamo cannot trace."""
     done = _run(f"""

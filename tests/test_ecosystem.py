@@ -66,12 +66,8 @@ def _assert_all_close(ours: list[torch.Tensor], ref: list[torch.Tensor], dtype: 
 
 # ---- torch.compile -----------------------------------------------------------------------------------------------
 
-# the fft backend is not traceable by Dynamo yet ("Failed to convert args/kwargs to proxy"); strict, so a fix shows
-_FFT_UNTRACEABLE = pytest.mark.xfail(strict=True, reason="fft backend: Dynamo cannot trace it yet")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=_FFT_UNTRACEABLE) if b == "fft" else b for b in BACKENDS])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_aot_eager_gradients_equal_native(backend: str, device: torch.device) -> None:
     """One graph per model (fullgraph) for backends made of torch ops; numpy's backward may break the graph."""
     _skip_unless_runs_on(backend, device)

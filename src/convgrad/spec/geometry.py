@@ -337,7 +337,7 @@ class ConvSpec:
             >>> spec.fft_chunks(1, 2**18)
             (7, 8)
         """
-        bins = 2 * math.prod(f.size for f in self.fft_phases[:-1]) * (self.fft_phases[-1].size // 2 + 1)
+        bins = 2 * math.prod([f.size for f in self.fft_phases[:-1]]) * (self.fft_phases[-1].size // 2 + 1)
         a, b = self.y_channels // self.groups, self.x_channels // self.groups * phase_count
         return chunks.fft_chunks(a * b * bins, (a + b) * bins, self.batch, self.groups, budget)
 
@@ -356,7 +356,7 @@ class ConvSpec:
             (1, 1, 12)
         """
         dims = self.fft_phases
-        volume = math.prod(f.size for f in dims)
+        volume = math.prod([f.size for f in dims])
         bins = 2 * volume // dims[-1].size * (dims[-1].size // 2 + 1)
         a, b0 = self.y_channels // self.groups, self.x_channels // self.groups
         b = b0 * phase_count

@@ -128,8 +128,8 @@ def estimate_flops(spec: ConvSpec) -> float:
         9
     """
     dims = spec.fft_phases
-    p = math.prod(len(d.phases) for d in dims)
-    volume = math.prod(d.size for d in dims)
+    p = math.prod([len(d.phases) for d in dims])
+    volume = math.prod([d.size for d in dims])
     bins = volume // dims[-1].size * (dims[-1].size // 2 + 1)
     n, cx, cy, g = spec.batch, spec.x_channels, spec.y_channels, spec.groups
     products = n * cy * (cx // g) * p

@@ -61,7 +61,7 @@ class FftPlan:
 
     @property
     def phase_count(self) -> int:
-        return math.prod(len(d.phases) for d in self.dims)
+        return math.prod([len(d.phases) for d in self.dims])
 
     @property
     def sizes(self) -> Shape:
@@ -105,7 +105,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     if gradient not in kinds:
         raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
     kind, dims = kinds[gradient], spec.fft_phases
-    p = math.prod(len(d.phases) for d in dims)
+    p = math.prod([len(d.phases) for d in dims])
     budget = max(CHUNK_MIN_REALS, spec.side_elements // 4)
     chunks = spec.fft_chunks(p, budget)
     a, b = spec.y_channels // spec.groups, spec.x_channels // spec.groups * p
