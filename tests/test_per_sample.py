@@ -98,8 +98,13 @@ def test_per_sample_grad_norms_match_loop_for_every_method(case: Case) -> None:
         torch.testing.assert_close(got, no_bias, **TOL[DT], msg=lambda m, k=method: f"{case} {k} no bias: {m}")
 
 
+# gradcheck's fast mode (one random direction) in the fast tier; the full Jacobian, 1,080 inputs, in the slow tier.
+GRADCHECK_MODES = [pytest.param(True, id="fast_mode"), pytest.param(False, id="full", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("fast_mode", GRADCHECK_MODES)
 @pytest.mark.parametrize("method", ["unfold", "conv", "native", "fft"])
-def test_per_sample_weight_grad_in_a_graph_and_under_vmap(method: str) -> None:
+def test_per_sample_weight_grad_in_a_graph_and_under_vmap(method: str, fast_mode: bool) -> None:
     """Inputs that require grad give a differentiable result (gradcheck), and vmap batches it. Before, "unfold"
     raised torch's "bmm(): functions with out=... don't support automatic differentiation" in the first case and
     "Batching rule not implemented for aten::bmm.out" in the second."""
@@ -110,7 +115,7 @@ def test_per_sample_weight_grad_in_a_graph_and_under_vmap(method: str) -> None:
     def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return cg.per_sample_weight_grad(a, (6, 2, 3, 3), b, padding=1, groups=2, method=method)
 
-    assert torch.autograd.gradcheck(f, (x, gy))
+    assert torch.autograd.gradcheck(f, (x, gy), fast_mode=fast_mode)
     xs, gys = torch.stack([x.detach(), -x.detach()]), torch.stack([gy.detach(), 2 * gy.detach()])  # (2, N, ...)
     batched = torch.func.vmap(f)(xs, gys)
     torch.testing.assert_close(batched, torch.stack([f(a, b) for a, b in zip(xs, gys, strict=True)]))
@@ -137,7 +142,9 @@ def test_every_method_in_chunks_of_two_samples_matches_the_loop(case: Case, monk
     assert sorted(set(calls)) == [1, 2]  # (2, 1) per call of a batch of three
 
 
-def test_native_in_chunks_stays_differentiable_and_batches_under_vmap(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fast_mode", GRADCHECK_MODES)
+def test_native_in_chunks_stays_differentiable_and_batches_under_vmap(monkeypatch: pytest.MonkeyPatch,
+                                                                      fast_mode: bool) -> None:
     monkeypatch.setattr(methods, "layer_chunks", lambda spec, per_sample, sides=1.0: methods.sample_chunks(
         spec.batch, per_sample, per_sample))
     g = torch.Generator().manual_seed(6)
@@ -147,7 +154,7 @@ def test_native_in_chunks_stays_differentiable_and_batches_under_vmap(monkeypatc
     def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return cg.per_sample_weight_grad(a, (6, 2, 3, 3), b, padding=1, groups=2, method="native")
 
-    assert torch.autograd.gradcheck(f, (x, gy))
+    assert torch.autograd.gradcheck(f, (x, gy), fast_mode=fast_mode)
     xs, gys = torch.stack([x.detach(), -x.detach()]), torch.stack([gy.detach(), 2 * gy.detach()])  # (2, N, ...)
     batched = torch.func.vmap(f)(xs, gys)
     torch.testing.assert_close(batched, torch.stack([f(a, b) for a, b in zip(xs, gys, strict=True)]))
