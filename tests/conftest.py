@@ -54,6 +54,17 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def tuned() -> Iterator[None]:
+    """auto's tuning mode on (backends and per-sample methods), with nothing remembered before or after."""
+    from convgrad.backends import auto
+
+    auto.clear()
+    with auto.tuning_mode("tune"):
+        yield
+    auto.clear()
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     return f"convgrad: torch {torch.__version__}, {torch.get_num_threads()} thread(s), hypothesis profile {PROFILE}"
 

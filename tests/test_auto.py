@@ -12,7 +12,6 @@ import importlib
 import json
 import pkgutil
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,15 +30,6 @@ CASES = [Case((2, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name="s2"),
          Case((2, 4, 8), (4, 2, 1), groups=2, name="1d-1x1-groups"),
          Case((2, 4, 5, 5), (4, 2, 2, 2), stride=2, transposed=True, name="T-2x2s2")]
 GRADIENTS = ("grad_input", "grad_weight", "both")
-
-
-@pytest.fixture
-def tune() -> Iterator[None]:
-    """Tuning on, with nothing remembered before or after."""
-    auto.clear()
-    with auto.tuning_mode("tune"):
-        yield
-    auto.clear()
 
 
 Tunings = list[str]  # the gradient of each tuning: grad_input, grad_weight (auto._tune) or both (auto._tune_both)
@@ -100,7 +90,7 @@ def test_fixed_mode_is_bitwise_native() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_both_gradients_are_tuned_once_settled_and_remembered(tune: None, tunings: Tunings, case: Case) -> None:
+def test_both_gradients_are_tuned_once_settled_and_remembered(tuned: None, tunings: Tunings, case: Case) -> None:
     t = make_tensors(case)
     _settle(case, t)
     assert tunings == ["both"]  # one tuning for both gradients, none per gradient
@@ -119,7 +109,7 @@ def test_both_gradients_are_tuned_once_settled_and_remembered(tune: None, tuning
 
 
 @pytest.mark.parametrize("gradient", ["grad_input", "grad_weight"])
-def test_one_gradient_alone_is_tuned_on_its_own(tune: None, tunings: Tunings, gradient: str) -> None:
+def test_one_gradient_alone_is_tuned_on_its_own(tuned: None, tunings: Tunings, gradient: str) -> None:
     case = CASES[0]
     t = make_tensors(case)
     _settle(case, t, gradient)
@@ -144,7 +134,7 @@ class _Wrong(Backend):
         return self.input_grad(spec, weight, grad_output), self.weight_grad(spec, input, grad_output)
 
 
-def test_a_candidate_that_disagrees_with_native_is_never_chosen(tune: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_candidate_that_disagrees_with_native_is_never_chosen(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(_REGISTRY, "wrong", _Wrong())  # registered: raced
     case = CASES[0]
     t = make_tensors(case)
@@ -172,7 +162,7 @@ class _Counting(Backend):
         return get_backend("native").weight_grad(spec, input, grad_output)
 
 
-def test_the_first_call_runs_the_candidates_on_a_slice_of_the_batch_only(tune: None,
+def test_the_first_call_runs_the_candidates_on_a_slice_of_the_batch_only(tuned: None,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     counting = _Counting()
     monkeypatch.setitem(_REGISTRY, "counting", counting)
@@ -186,7 +176,7 @@ def test_the_first_call_runs_the_candidates_on_a_slice_of_the_batch_only(tune: N
     assert set(counting.seen) <= {4, 32} and counting.seen.count(32) <= 2  # one call computes both: 2 gradients
 
 
-def test_layers_of_one_shape_share_one_tuning(tune: None, tunings: Tunings) -> None:
+def test_layers_of_one_shape_share_one_tuning(tuned: None, tunings: Tunings) -> None:
     def model(layers: int) -> torch.nn.Module:
         convs = [torch.nn.Conv2d(4, 4, 3, padding=1, dtype=torch.float64) for _ in range(layers)]
         return cg.patch(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, dtype=torch.float64), *convs))
@@ -241,7 +231,7 @@ def test_for_both_gradients_the_backend_that_won_each_is_the_incumbent(ratios: d
     ({"native": 2.0, "fwdconv": 1.0, "gemm": 3.0}, {"native": 2.0, "fwdconv": 1.0, "gemm": 3.0}, "fwdconv"),
     ({"native": 2.0, "fwdconv": 3.0, "gemm": 1.0}, {"native": 2.0, "fwdconv": 1.0, "gemm": 3.0}, "native"),
 ])
-def test_both_gradients_are_settled_with_the_common_fastest_as_anchor(tune: None, monkeypatch: pytest.MonkeyPatch,
+def test_both_gradients_are_settled_with_the_common_fastest_as_anchor(tuned: None, monkeypatch: pytest.MonkeyPatch,
                                                                       gi: dict[str, float], gw: dict[str, float],
                                                                       anchor: str) -> None:
     screens = iter([tuner.Screen(gi), tuner.Screen(gw), tuner.Screen({"native": 3.5})])
@@ -355,7 +345,7 @@ def _slower_than_tuned(key: Any, factor: float) -> None:
     auto._choices[key] = dataclasses.replace(choice, times=times)
 
 
-def test_a_choice_that_slows_down_is_tuned_again_at_most_twice(tune: None, tunings: Tunings,
+def test_a_choice_that_slows_down_is_tuned_again_at_most_twice(tuned: None, tunings: Tunings,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store, "DRIFT_MIN_S", 0.0)  # watch this tiny layer too
     monkeypatch.setattr(store, "DRIFT", 1e3)  # only the pretended slowdown (1e6), not a busy machine's
@@ -394,7 +384,7 @@ def test_a_choice_slowed_down_with_the_anchor_is_kept(monkeypatch: pytest.Monkey
         assert choices["k"].backend == "fast" and choices["k"].times == pytest.approx({"native": 12.0, "fast": 3.0})
 
 
-def test_a_choice_that_keeps_its_speed_is_not_tuned_again(tune: None, tunings: Tunings,
+def test_a_choice_that_keeps_its_speed_is_not_tuned_again(tuned: None, tunings: Tunings,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store, "DRIFT_MIN_S", 0.0)
     case = CASES[2]
@@ -407,7 +397,7 @@ def test_a_choice_that_keeps_its_speed_is_not_tuned_again(tune: None, tunings: T
     assert tunings == ["both"]
 
 
-def test_batches_up_to_the_next_power_of_two_share_one_tuning(tune: None, tunings: Tunings) -> None:
+def test_batches_up_to_the_next_power_of_two_share_one_tuning(tuned: None, tunings: Tunings) -> None:
     assert [auto.batch_bucket(n) for n in (0, 1, 2, 3, 4, 5, 300, 512, 513)] == [0, 1, 2, 4, 4, 8, 512, 512, 1024]
     for batch in (3, 4, 3, 5):  # Poisson-sampled batches: 3 and 4 share the bucket 4; 5 is in the bucket 8
         case = Case((batch, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name=f"n{batch}")
@@ -416,7 +406,7 @@ def test_batches_up_to_the_next_power_of_two_share_one_tuning(tune: None, tuning
     assert tunings == ["both", "both"]  # for the buckets 4 and 8
 
 
-def test_no_tuning_under_batched_grads(tune: None) -> None:
+def test_no_tuning_under_batched_grads(tuned: None) -> None:
     """is_grads_batched runs the backward under the legacy vmap, where values cannot be read: native, no tuning."""
     case = CASES[0]
     t = make_tensors(case)
@@ -429,13 +419,13 @@ def test_no_tuning_under_batched_grads(tune: None) -> None:
     torch.testing.assert_close(ours, ref, rtol=1e-7, atol=1e-9)
 
 
-def test_double_backward_while_tuning(tune: None) -> None:
+def test_double_backward_while_tuning(tuned: None) -> None:
     x = torch.randn(1, 1, 5, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 1, 3, 2, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda x, w: cg.conv2d(x, w, stride=2, backend="auto"), (x, w))
 
 
-def test_winners_persist_to_the_cache_file_and_load_back(tune: None, tmp_path: Any,
+def test_winners_persist_to_the_cache_file_and_load_back(tuned: None, tmp_path: Any,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "autotune.json"
     monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", str(path))
@@ -454,7 +444,7 @@ def test_winners_persist_to_the_cache_file_and_load_back(tune: None, tmp_path: A
         "pending": ()})
 
 
-def test_a_choice_saved_while_still_compared_goes_on_being_compared(tune: None, tmp_path: Any,
+def test_a_choice_saved_while_still_compared_goes_on_being_compared(tuned: None, tmp_path: Any,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "autotune.json"
     monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", str(path))
@@ -471,7 +461,7 @@ def test_a_choice_saved_while_still_compared_goes_on_being_compared(tune: None, 
     assert json.loads(path.read_text())["choices"][auto._key_text(key)]["pending"] == []
 
 
-def test_a_cache_file_of_another_format_is_ignored(tune: None, tunings: Tunings, tmp_path: Any,
+def test_a_cache_file_of_another_format_is_ignored(tuned: None, tunings: Tunings, tmp_path: Any,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "autotune.json"
     monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", str(path))
@@ -484,7 +474,7 @@ def test_a_cache_file_of_another_format_is_ignored(tune: None, tunings: Tunings,
 
 
 @pytest.mark.parametrize("field", ["batch", "times", "rejected", "parts", "pending"])
-def test_a_malformed_cache_entry_is_ignored_and_tuned_again(tune: None, tunings: Tunings, tmp_path: Any, field: str,
+def test_a_malformed_cache_entry_is_ignored_and_tuned_again(tuned: None, tunings: Tunings, tmp_path: Any, field: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "autotune.json"
     monkeypatch.setenv("CONVGRAD_AUTOTUNE_CACHE", str(path))
@@ -527,7 +517,7 @@ def test_modes_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     assert auto.get_mode() == "fixed"
 
 
-def test_complex_tensors_tune_only_among_complex_backends(tune: None) -> None:
+def test_complex_tensors_tune_only_among_complex_backends(tuned: None) -> None:
     case = CASES[0]
     t = {k: v.to(torch.complex128) for k, v in make_tensors(case).items()}
     _settle(case, t)
@@ -556,7 +546,7 @@ class ToyBackend(Backend):
 """
 
 
-def test_a_backend_in_one_file_with_the_decorator_is_raced_by_auto(tune: None, tmp_path: Any,
+def test_a_backend_in_one_file_with_the_decorator_is_raced_by_auto(tuned: None, tmp_path: Any,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Adding a backend is one file and ``@register``: no list in backends/__init__.py, auto or the bench to edit.
     Auto races it where its ``can_serve`` lets it in, and nowhere else; ``convgrad bench`` times it by default as

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -631,17 +630,6 @@ def test_data_parallel_is_refused() -> None:
 
 
 # ---- the measured choice of the per-sample method (convgrad.per_sample.tuning) -------------------------------
-@pytest.fixture
-def tuned() -> Iterator[None]:
-    """Tuning on (auto's mode), with nothing remembered before or after."""
-    from convgrad.backends import auto
-
-    auto.clear()
-    with auto.tuning_mode("tune"):
-        yield
-    auto.clear()
-
-
 def test_tuned_methods_give_the_same_per_sample_results(tuned: None) -> None:
     from convgrad.per_sample import tuning
 

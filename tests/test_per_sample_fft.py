@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from torch import nn
 
 import convgrad as cg
-from convgrad.backends import auto, get_backend
+from convgrad.backends import get_backend
 from convgrad.backends.fft import per_sample as fft
 from convgrad.per_sample import methods, tuning
 from convgrad.spec import chunks
@@ -174,14 +173,6 @@ def test_fft_estimate_follows_its_transforms_and_products() -> None:
     pairs = LARGE.batch * LARGE.y_channels
     expected = 2.5 * v * math.log2(v) * 3 * pairs + 6.0 * pairs * bins
     assert fft.estimate_flops(LARGE) == pytest.approx(expected)
-
-
-@pytest.fixture
-def tuned() -> Iterator[None]:
-    auto.clear()
-    with auto.tuning_mode("tune"):
-        yield
-    auto.clear()
 
 
 def test_tuning_a_large_kernel_picks_fft_for_every_purpose(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
