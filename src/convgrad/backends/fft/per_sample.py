@@ -72,6 +72,12 @@ def weight_grads(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     Returns:
         ``(N, C_y, C_x/g, *k)`` (``spec.weight_shape`` per sample), x's dtype; summed over dim 0 it is grad_weight.
 
+    Raises:
+        Nothing a user can cause: the per-sample entry points validate the spec and tensors first.
+
+    The formula: grad_weight's product per frequency bin (docs/derivation.md, "The convolution theorem"), kept per
+    sample instead of summed over n.
+
     Examples:
         >>> import torch
         >>> from convgrad.spec import ConvSpec
@@ -99,6 +105,9 @@ def sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
     Returns:
         ``(N,)``, in float32 for half precision, else x's dtype.
+
+    Raises:
+        Nothing a user can cause (as ``weight_grads``).
 
     Examples:
         >>> import torch
