@@ -48,18 +48,28 @@ def merge_factor(spec: ConvSpec) -> int:
 
 
 @dataclass(frozen=True)
-class BlockDiagonal:
-    """(g*a, b, *k) -> (g*a, m*b, *k): each group's weight on the diagonal of its merged group, zeros elsewhere."""
+class GroupMerge:
+    """The layout of ``groups`` merged ``merge`` at a time: merged group G's weight (m*a, m*b, *k) holds group j of
+    G in its diagonal block (j, j); the steps that go into and out of it share it."""
 
     groups: int
     merge: int
 
-    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+    def blocks(self, w: torch.Tensor, columns: int) -> torch.Tensor:
+        """(g*a, columns*b, *k) -> (g/m, m, a, columns, b, *k): rows by merged group and member, columns by block."""
         g, m = self.groups, self.merge
-        a, b, k = w.shape[0] // g, w.shape[1], w.shape[2:]
-        w = w.reshape(g // m, m, a, 1, b, *k)  # (g/m, m, a, 1, b, *k)
-        eye = torch.eye(m, dtype=w.dtype, device=w.device).reshape(1, m, 1, m, 1, *(1,) * len(k))
-        return (w * eye).reshape(g * a, m * b, *k)  # (g*a, m*b, *k): group j of G in block (j, j)
+        return w.reshape(g // m, m, w.shape[0] // g, columns, w.shape[1] // columns, *w.shape[2:])  # (g/m, m, a, ..)
+
+
+@dataclass(frozen=True)
+class BlockDiagonal(GroupMerge):
+    """(g*a, b, *k) -> (g*a, m*b, *k): each group's weight on the diagonal of its merged group, zeros elsewhere."""
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        m = self.merge
+        blocks = self.blocks(w, 1)  # (g/m, m, a, 1, b, *k)
+        eye = torch.eye(m, dtype=w.dtype, device=w.device).reshape(1, m, 1, m, 1, *(1,) * (w.dim() - 2))
+        return (blocks * eye).reshape(w.shape[0], m * w.shape[1], *w.shape[2:])  # (g*a, m*b, *k): j of G in (j, j)
 
     def describe(self) -> str:
         return (f"merge the {self.groups} groups {self.merge} at a time: each group's weight on the diagonal of "
@@ -67,18 +77,13 @@ class BlockDiagonal:
 
 
 @dataclass(frozen=True)
-class DiagonalBlocks:
+class DiagonalBlocks(GroupMerge):
     """(g*a, m*b, *k) -> (g*a, b, *k): the diagonal blocks of the merged groups' weight gradient."""
 
-    groups: int
-    merge: int
-
     def __call__(self, gw: torch.Tensor) -> torch.Tensor:
-        g, m = self.groups, self.merge
-        a, b, k = gw.shape[0] // g, gw.shape[1] // m, gw.shape[2:]
-        gw = gw.reshape(g // m, m, a, m, b, *k)  # (g/m, m, a, m, b, *k)
-        diag = gw.diagonal(dim1=1, dim2=3)  # (g/m, a, b, *k, m)
-        return diag.movedim(-1, 1).reshape(g * a, b, *k)  # (g*a, b, *k)
+        m = self.merge
+        diag = self.blocks(gw, m).diagonal(dim1=1, dim2=3)  # (g/m, a, b, *k, m)
+        return diag.movedim(-1, 1).reshape(gw.shape[0], gw.shape[1] // m, *gw.shape[2:])  # (g*a, b, *k)
 
     def describe(self) -> str:
         return f"keep the {self.merge} diagonal blocks of each merged group's weight gradient"
