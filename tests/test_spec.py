@@ -34,6 +34,17 @@ def test_output_shape_matches_torch(case) -> None:
     assert tuple(y.shape) == expected
 
 
+@pytest.mark.parametrize("case", grid_cases(), ids=str)
+def test_side_shapes_are_torchs_input_and_output_shapes(case) -> None:
+    """x is the big side (forward: input; transposed: output), y the small one; batched, as backends see them."""
+    spec = case.spec()
+    x = torch.zeros(case.input_shape, dtype=torch.float64)
+    y = reference_forward(case, x, torch.zeros(case.weight_shape, dtype=torch.float64), None)
+    shapes = [(1, *s) if spec.unbatched else s for s in (tuple(x.shape), tuple(y.shape))]
+    big, small = shapes[::-1] if spec.transposed else shapes
+    assert (spec.x_shape, spec.y_shape) == (big, small)
+
+
 @pytest.mark.parametrize("case", grid_cases() + random_cases(60, seed=8), ids=str)
 def test_leftover_definition_and_bounds(case) -> None:
     spec = case.spec()

@@ -155,11 +155,13 @@ class ConvSpec:
 
     @property
     def x_shape(self) -> tuple[int, ...]:
-        return (self.batch, self.x_channels, *self.x_size)
+        """Batched shape of the big side (N, C_x, *x_size): the input forward, the output transposed."""
+        return self.output_shape if self.transposed else self.input_shape
 
     @property
     def y_shape(self) -> tuple[int, ...]:
-        return (self.batch, self.y_channels, *self.y_size)
+        """Batched shape of the small side (N, C_y, *y_size): the output forward, the input transposed."""
+        return self.input_shape if self.transposed else self.output_shape
 
     @property
     def side_elements(self) -> int:
