@@ -152,9 +152,8 @@ def worth_trying(spec: ConvSpec) -> bool:
 
     Examples:
         >>> from convgrad.spec import ConvSpec
-        >>> worth_trying(ConvSpec.from_shapes((8, 64, 32, 32), (64, 64, 3, 3), padding=1))
-        False
-        >>> worth_trying(ConvSpec.from_shapes((8, 64, 28, 28), (64, 1, 31, 31), padding=15, groups=64))
-        True
+        >>> def layer(k): return ConvSpec.from_shapes((8, 64, 28, 28), (64, 1, k, k), padding=k // 2, groups=64)
+        >>> worth_trying(layer(7)), worth_trying(layer(9))   # 49 taps, 81 taps
+        (False, True)
     """
     return spec.taps >= MIN_TAPS and spec.batch > 0
