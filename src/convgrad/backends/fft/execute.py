@@ -8,6 +8,8 @@ the weight's rows inverted per slice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from convgrad.backends.fft import transforms as tf
@@ -25,11 +27,14 @@ def execute(p: FftPlan, data: torch.Tensor, other: torch.Tensor) -> torch.Tensor
 
     Half precision runs in float32 (FFT libraries lack it on most sizes) and comes back in its dtype.
     """
-    dtype = data.dtype
+    dtype, spec = data.dtype, p.spec
+    if spec.batch == 0:  # nothing to transform: an empty result, or grad_weight's empty sum
+        shapes = {"y_from_x": spec.y_shape, "x_from_y": spec.x_shape, "w_from_xy": spec.weight_shape}
+        return data.new_zeros(shapes[p.kind])
     if dtype in (torch.float16, torch.bfloat16):
         data, other = data.float(), other.float()
     run = {"y_from_x": _y_from_x, "x_from_y": _x_from_y, "w_from_xy": _w_from_xy}[p.kind]
-    return run(p, data, other).to(dtype)
+    return run(p, data, other, not (data.is_complex() or other.is_complex())).to(dtype)
 
 
 class _Output:
@@ -83,18 +88,22 @@ def _kernel_bins(p: FftPlan, kernel: torch.Tensor, g0: int, g1: int, r0: int, r1
     return wf.reshape(g1 - g0, r1 - r0, b, -1)  # (g', r', B, F)
 
 
-def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _group_chunks(p: FftPlan, kernel: torch.Tensor, reverse: bool, real: bool
+                  ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
+    """The chunks (g0, g1) of groups, each with its kernel spectra (``_kernel_bins``) when the kernel rows are one
+    chunk (then its sample chunks share them), else None (each row chunk transforms its own rows)."""
+    a = p.group_channels[0]
+    for g0, g1 in chunk_ranges(p.spec.groups, p.chunks[0]):
+        yield g0, g1, _kernel_bins(p, kernel, g0, g1, 0, a, reverse, real) if p.row_chunk >= a > 0 else None
+
+
+def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor, real: bool) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
-    real = not (x.is_complex() or w.is_complex())
     a, b0, b = p.group_channels
-    if spec.batch == 0:
-        return x.new_zeros(spec.y_shape)
     kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
     out = _Output(spec.y_shape, _several(p), x, w)
     row_ranges = chunk_ranges(a, p.row_chunk)
-    for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
-        # one row chunk: the group chunk's kernel spectra, shared by its sample chunks; else per row chunk
-        whole = _kernel_bins(p, kernel, g0, g1, 0, a, True, real) if len(row_ranges) == 1 else None
+    for g0, g1, whole in _group_chunks(p, kernel, True, real):
         for n0, n1 in chunk_ranges(spec.batch, p.chunks[1]):
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
             xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
@@ -110,23 +119,18 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.tensor  # (N, C_y, *o)
 
 
-def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor, real: bool) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
-    real = not (y.is_complex() or w.is_complex())
     a, b0, b = p.group_channels
-    if spec.batch == 0:
-        return y.new_zeros(spec.x_shape)
     kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
     out = _Output(spec.x_shape, _several(p), y, w)
-    row_ranges = chunk_ranges(a, p.row_chunk)
-    for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
-        whole = _kernel_bins(p, kernel, g0, g1, 0, a, False, real) if len(row_ranges) == 1 else None
+    for g0, g1, whole in _group_chunks(p, kernel, False, real):
         for n0, n1 in chunk_ranges(spec.batch, p.chunks[1]):
             yf = tf.forward_transform(sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0), sizes)  # (n', g'*A, *bins)
             bins = yf.shape[2:]
             yf = yf.reshape(n1 - n0, g1 - g0, a, -1)  # (n', g', A, F)
             xf: torch.Tensor | None = None
-            for r0, r1 in row_ranges:  # X[n, b] = sum over the row chunks of sum_a Y[n, a] W[a, b]
+            for r0, r1 in chunk_ranges(a, p.row_chunk):  # X[n, b] = sum over the row chunks of sum_a Y[n, a] W[a, b]
                 wf = _kernel_bins(p, kernel, g0, g1, r0, r1, False, real) if whole is None else whole
                 term = tf.x_bins(sliced(yf, [slice(r0, r1)], 2), wf)  # (n', g', B, F)
                 xf = term if xf is None else xf + term
@@ -142,12 +146,9 @@ def _x_bins(p: FftPlan, x: torch.Tensor, n0: int, n1: int, g0: int, g1: int) -> 
     return xf.reshape(n1 - n0, g1 - g0, p.group_channels[2], -1)  # (n', g', B, F)
 
 
-def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor, real: bool) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
-    real = not (x.is_complex() or y.is_complex())
     (a, b0, b), nd = p.group_channels, spec.n
-    if spec.batch == 0:
-        return x.new_zeros(spec.weight_shape)
     q = tuple(d.taps for d in dims)
     parts = []
     sample_ranges = chunk_ranges(spec.batch, p.chunks[1])
