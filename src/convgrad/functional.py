@@ -127,15 +127,14 @@ def conv_input_grad(input_size: Sequence[int], weight: torch.Tensor, grad_output
         input_size: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; the shape of the conv's input.
         weight: ``(C_out, C_in/groups, *k)``; floating dtype.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as weight.
-        stride, padding, dilation, groups: as in ``conv_backward``
-            (defaults 1, 0, 1, 1).
-        backend: one of ``convgrad.backends()`` (default ``"auto"``).
+        stride, padding, dilation, groups, backend: as in ``conv_backward`` (defaults 1, 0, 1, 1, ``"auto"``).
 
     Returns:
         grad_input of shape ``input_size``.
 
     Raises:
-        TypeError, ValueError: as ``conv_backward``.
+        TypeError, ValueError: as ``conv_backward``; a ValueError also where ``input_size`` is not an input
+            shape that ``weight`` maps to grad_output's shape.
 
     Source: the docs' "Derivation" page, "grad_input": zero-insert by s, pad by (d(k-1)-p_lo, d(k-1)-p_hi+r),
     convolve with the flipped, channel-swapped kernel.
@@ -164,9 +163,7 @@ def conv_weight_grad(input: torch.Tensor, weight_size: Sequence[int], grad_outpu
         input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; floating dtype.
         weight_size: ``(C_out, C_in/groups, *k)``.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as input.
-        stride, padding, dilation, groups: as in ``conv_backward``
-            (defaults 1, 0, 1, 1).
-        backend: one of ``convgrad.backends()`` (default ``"auto"``).
+        stride, padding, dilation, groups, backend: as in ``conv_backward`` (defaults 1, 0, 1, 1, ``"auto"``).
 
     Returns:
         grad_weight of shape ``weight_size``.
@@ -202,22 +199,25 @@ def conv_transpose_input_grad(input_size: Sequence[int], weight: torch.Tensor, g
         weight: ``(C_in, C_out/groups, *k)``; floating dtype.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as weight.
         stride, padding, output_padding, groups, dilation: torch.nn.functional.conv_transpose order
-            (defaults 1, 0, 0, 1, 1); 'same' padding is rejected.
+            (defaults 1, 0, 0, 1, 1).
         backend: one of ``convgrad.backends()`` (default ``"auto"``).
 
     Returns:
         grad_input of shape ``input_size``.
 
     Raises:
-        TypeError, ValueError: as ``conv_backward``.
+        TypeError, ValueError: as ``conv_backward``; ``padding='same'`` is a ValueError (not defined for a
+            transposed convolution).
 
-    Source: the docs' "Derivation" page, "transposed convolutions".
+    Source: the docs' "Derivation" page, "transposed convolutions": grad_output convolved (forward) with the
+    same weight, stride, padding, dilation and groups, cropped to ``input_size``.
 
     Examples:
         >>> import torch, convgrad as cg
         >>> w, gy = torch.randn(4, 3, 4, 4), torch.randn(1, 3, 10, 10)
-        >>> cg.conv_transpose_input_grad((1, 4, 4, 4), w, gy, stride=2, padding=0).shape
-        torch.Size([1, 4, 4, 4])
+        >>> gi = cg.conv_transpose_input_grad((1, 4, 4, 4), w, gy, stride=2)
+        >>> gi.shape, torch.allclose(gi, torch.nn.functional.conv2d(gy, w, stride=2), atol=1e-5)
+        (torch.Size([1, 4, 4, 4]), True)
     """
     fn = "conv_transpose_input_grad"
     b = get_backend(backend, fn)
@@ -237,23 +237,23 @@ def conv_transpose_weight_grad(input: torch.Tensor, weight_size: Sequence[int], 
         input: ``(N, C_in, *spatial)`` or ``(C_in, *spatial)``; floating dtype.
         weight_size: ``(C_in, C_out/groups, *k)``.
         grad_output: ``(N, C_out, *out_spatial)``, same dtype and device as input.
-        stride, padding, output_padding, groups, dilation: as
-            ``conv_transpose_input_grad``.
-        backend: one of ``convgrad.backends()`` (default ``"auto"``).
+        stride, padding, output_padding, groups, dilation, backend: as in ``conv_transpose_input_grad``.
 
     Returns:
         grad_weight of shape ``weight_size``.
 
     Raises:
-        TypeError, ValueError: as ``conv_backward``.
+        TypeError, ValueError: as ``conv_transpose_input_grad``.
 
-    Source: the docs' "Derivation" page, "transposed convolutions".
+    Source: the docs' "Derivation" page, "transposed convolutions": the forward rule (``conv_weight_grad``)
+    with input and grad_output exchanged.
 
     Examples:
         >>> import torch, convgrad as cg
         >>> x, gy = torch.randn(2, 4, 5, 5), torch.randn(2, 6, 11, 11)
-        >>> cg.conv_transpose_weight_grad(x, (4, 3, 3, 3), gy, stride=2, groups=2).shape
-        torch.Size([4, 3, 3, 3])
+        >>> gw = cg.conv_transpose_weight_grad(x, (4, 3, 3, 3), gy, stride=2, groups=2)
+        >>> gw.shape, torch.allclose(gw, cg.conv_weight_grad(gy, (4, 3, 3, 3), x, stride=2, groups=2), atol=1e-5)
+        (torch.Size([4, 3, 3, 3]), True)
     """
     fn = "conv_transpose_weight_grad"
     b = get_backend(backend, fn)
