@@ -23,7 +23,7 @@ from convgrad import tuning
 from convgrad.backends import _REGISTRY, Backend, auto, get_backend
 from convgrad.cli import bench
 from convgrad.spec import ConvSpec
-from convgrad.tuning import modes, store, tuner
+from convgrad.tuning import modes, settle, store, tuner
 from helpers import Case, assert_matches_autograd, make_tensors, reference_grads
 
 CASES = [Case((2, 3, 9, 9), (4, 3, 3, 3), stride=2, padding=1, name="s2"),
@@ -203,7 +203,7 @@ def test_layers_of_one_shape_share_one_tuning(tuned: None, tunings: Tunings) -> 
     ({"native": 1.00, "fwdconv": 0.975, "gemm": 1.20, "split": 0.96}, "native"),
 ])
 def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, float], winner: str) -> None:
-    assert tuner._winner(times) == winner
+    assert settle.pick(times) == winner
     assert (auto.PREFER_NATIVE, auto.SPLIT_MARGIN) == (1.03, 1.05)
     explore = tuner.Exploration(tuple(times))  # native, the anchor, first
     settled = None
@@ -224,7 +224,7 @@ def test_native_is_kept_unless_another_option_clearly_beats_it(times: dict[str, 
 ])
 def test_for_both_gradients_the_backend_that_won_each_is_the_incumbent(ratios: dict[str, float], incumbent: str,
                                                                      winner: str) -> None:
-    assert tuner._winner(ratios, incumbent) == winner
+    assert settle.pick(ratios, incumbent) == winner
 
 
 @pytest.mark.parametrize(("gi", "gw", "anchor"), [

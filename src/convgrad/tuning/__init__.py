@@ -1,7 +1,8 @@
 """The one home of convgrad's measured choices: the tuner, the store of its choices, the mode they share.
 
 * ``tuner``: one tuning (prune by cost model, screen on a slice, settle on the calls that follow) of any set of
-  options, each a callable ``run(n)`` on the first ``n`` samples;
+  options, each a callable ``run(n)`` on the first ``n`` samples; ``settle``: its last steps, the comparison on
+  the calls that follow (``Exploration``) and the pick;
 * ``store``: the choices in memory and in the cache file (``CONVGRAD_AUTOTUNE_CACHE``), watched for drift;
 * ``modes``: "tune" or "fixed" (``CONVGRAD_AUTOTUNE``), batch buckets, which tensors can be timed.
 
