@@ -13,6 +13,7 @@ from convgrad.backends import auto, fft, get_backend
 from convgrad.backends.fft import plans as fft_plans
 from convgrad.backends.fft import transforms as fft_transforms
 from convgrad.spec import ConvSpec, smooth_size
+from convgrad.spec.formulation import fft_size
 from helpers import Case, assert_gradchecks, grid_cases, make_tensors, random_cases, reference_forward, reference_grads
 
 NORMWISE_F64 = 1e-10
@@ -193,11 +194,12 @@ def test_fft_kernel_rows_split_evenly_within_the_kernel_budget() -> None:
 
 
 def test_fft_transform_length_drops_the_padding_rows_that_wrap_onto_zeros() -> None:
-    """L = smooth(U - min(lead, trail)): 45 for a 31x31 kernel padded 15 on 28 rows (U = 58), U itself when causal."""
+    """L >= U - min(lead, trail) = 43 for a 31x31 kernel padded 15 on 28 rows (U = 58): 5-smooth (45), even in the
+    last dim (48); fft_size(U) when causal."""
     dims = ConvSpec.from_shapes((1, 1, 28, 28), (1, 1, 31, 31), padding=15).fft_phases
-    assert [(d.rows, d.size) for d in dims] == [(58, 45), (58, 45)]
+    assert [(d.rows, d.size) for d in dims] == [(58, 45), (58, 48)]
     (causal,) = ConvSpec.from_shapes((1, 1, 64), (1, 1, 64), padding=((63, 0),)).fft_phases
-    assert (causal.rows, causal.size) == (127, smooth_size(127))
+    assert (causal.rows, causal.size) == (127, fft_size(127))
 
 
 def test_fft_phases_reduce_to_stride_phases_with_dilation_1() -> None:
@@ -217,6 +219,21 @@ def test_smooth_size_is_the_smallest_5_smooth_not_below_n() -> None:
     for n in range(1, 400):
         want = next(m for m in range(n, 4 * n) if smooth(m))
         assert smooth_size(n) == want, n
+
+
+def test_fft_size_is_the_smallest_even_5_smooth_not_below_n() -> None:
+    """Odd transform lengths cost twice as much per point (benchmarks/results/fft_sizes.md): 45 -> 48, 81 -> 90."""
+    def smooth(m: int) -> bool:
+        for p in (2, 3, 5):
+            while m % p == 0:
+                m //= p
+        return m == 1
+
+    for n in range(1, 400):
+        want = next(m for m in range(n, 4 * n) if smooth(m) and (m % 2 == 0 or m == 1))
+        assert fft_size(n) == want, n
+    assert all(case.spec().fft_phases[-1].size % 2 == 0 or case.spec().fft_phases[-1].size == 1
+               for case in grid_cases())
 
 
 def test_fft_plan_lists_its_steps_in_order() -> None:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from convgrad.spec.arguments import Pair
 
-__all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "leftover_rows", "output_rows",
+__all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "fft_size", "leftover_rows", "output_rows",
            "pad_split", "pad_then_crop", "pad_to_rows", "padded_sizes", "phase_data_rows", "phase_taps", "smooth_size",
            "stride_phase", "strided_crop", "subpixel_dim", "tap_reads_only_padding", "tap_rows",
            "transposed_output_rows"]
@@ -141,6 +141,22 @@ def smooth_size(n: int) -> int:
         if p2 >= n:
             return best
         p2 *= 2
+
+
+def fft_size(n: int) -> int:
+    """The FFT backend's length for at least n points along the last dim (the one a real transform halves): the
+    smallest even 5-smooth integer >= n (1 for n <= 1). A real FFT of odd length costs about twice as much per
+    point as one of an even length near it (pocketfft: 45 points 9.0 ns a point, 48 5.1; 81 9.4, 90 5.3;
+    benchmarks/results/fft_sizes.md); the other dims' complex transforms do not halve, and keep ``smooth_size``.
+
+    Examples:
+        >>> [fft_size(n) for n in (1, 2, 7, 20, 45, 81, 1025)]
+        [1, 2, 8, 20, 48, 90, 1080]
+    """
+    size = smooth_size(n)
+    while size % 2 and size > 1:
+        size = smooth_size(size + 1)
+    return size
 
 
 def phase_taps(i: int, k: int, s: int, d: int, p_lo: int, o: int) -> tuple[PhaseTaps | None, ...]:
@@ -317,7 +333,7 @@ def stride_phase(k: int, s: int, o: int, pads: Pair, size: int) -> tuple[int, in
     return q, o + q - 1, pad_to_rows(pads, size, s * (o + q - 1))
 
 
-def fft_phase(i: int, k: int, s: int, d: int, o: int, pads: Pair, size: int) -> FftDim:
+def fft_phase(i: int, k: int, s: int, d: int, o: int, pads: Pair, size: int, last: bool = True) -> FftDim:
     """One dim of ``ConvSpec.fft_phases``: the polyphase split of the read x into stride-1 correlations.
 
     Tap t reads x_pad[j*s + t*d]; with t*d = s*q + phi it is row j + q of phase phi (the rows phi::s), so each
@@ -329,11 +345,13 @@ def fft_phase(i: int, k: int, s: int, d: int, o: int, pads: Pair, size: int) -> 
     The transform length L need not reach U: a phase's first ``lead`` and last ``trail`` rows are padding zeros,
     and a circular correlation of length L >= U - min(lead, trail) (and >= o, Q) wraps only zeros onto zeros
     (reads past L land on the leading zeros, reads below 0 on the trailing ones); grad_input's adjoint is exact
-    on the data rows, which all lie below L. A 31x31 kernel padded 15 on 28x28 is transformed at 45, not 60.
+    on the data rows, which all lie below L. A 31x31 kernel padded 15 on 28x28 needs 43 rows, not 58. The
+    ``last`` dim, the one a real transform halves, takes an even length (``fft_size``: 48), the others a 5-smooth
+    one (``smooth_size``: 45).
 
     Examples:
-        >>> fft_phase(28, 31, 1, 1, 28, (15, 15), 58).size  # U = 58
-        45
+        >>> fft_phase(28, 31, 1, 1, 28, (15, 15), 58).size, fft_phase(28, 31, 1, 1, 28, (15, 15), 58, False).size
+        (48, 45)
     """
     q = d * (k - 1) // s + 1
     rows = o + q - 1
@@ -342,5 +360,5 @@ def fft_phase(i: int, k: int, s: int, d: int, o: int, pads: Pair, size: int) -> 
     lo, hi = pads
     first, end = max(lo, 0), min(lo + i, s * rows)  # the data rows of the padded x
     lead, trail = (first // s, rows - 1 - (end - 1) // s) if end > first else (rows, rows)
-    length = smooth_size(max(rows - min(lead, trail), o, q, 1))
+    length = (fft_size if last else smooth_size)(max(rows - min(lead, trail), o, q, 1))
     return FftDim(phases, q, rows, (lo, hi + s * rows - size), length, slots, (lo, hi + s * length - size))

@@ -313,19 +313,19 @@ class ConvSpec:
 
         Returns:
             tuple of ``FftDim`` per spatial dim: the live phases, Q, U, the pads of x to s*U rows, the transform
-            size L (5-smooth, >= U less the padding rows that wrap onto zeros), each tap's slot p*Q + q and the
-            pads of x to s*L rows.
+            size L (5-smooth, even in the last dim: ``formulation.fft_size``; >= U less the padding rows that wrap
+            onto zeros), each tap's slot p*Q + q and the pads of x to s*L rows.
 
         Examples:
             >>> spec = ConvSpec.from_shapes((1, 1, 7), (1, 1, 3), stride=2, padding=1)
             >>> spec.fft_phases[0][1:4] == spec.stride_phases[0]
             True
             >>> ConvSpec.from_shapes((1, 1, 9), (1, 1, 3), stride=2, dilation=2).fft_phases[0]
-            FftDim(phases=(0,), taps=3, rows=5, pads=(0, 1), size=5, slots=(0, 1, 2), transform_pads=(0, 1))
+            FftDim(phases=(0,), taps=3, rows=5, pads=(0, 1), size=6, slots=(0, 1, 2), transform_pads=(0, 3))
         """
-        return tuple(formulation.fft_phase(i, k, s, d, o, pads, size) for i, k, s, d, o, pads, size in zip(
-            self.x_size, self.kernel_size, self.stride, self.dilation, self.y_size, self.x_read_pads,
-            self.x_read_size))
+        dims = zip(self.x_size, self.kernel_size, self.stride, self.dilation, self.y_size, self.x_read_pads,
+                   self.x_read_size)
+        return tuple(formulation.fft_phase(*dim, last=j == self.n - 1) for j, dim in enumerate(dims))
 
     def fft_chunks(self, phase_count: int, budget: int) -> tuple[int, int]:
         """(groups, samples) per chunk of the FFT backend, so that one chunk's spectra hold about ``budget`` reals:
@@ -337,7 +337,7 @@ class ConvSpec:
             >>> spec.fft_chunks(1, 2**22)
             (64, 8)
             >>> spec.fft_chunks(1, 2**18)
-            (7, 8)
+            (6, 8)
         """
         bins = 2 * math.prod([f.size for f in self.fft_phases[:-1]]) * (self.fft_phases[-1].size // 2 + 1)
         a, b = self.y_channels // self.groups, self.x_channels // self.groups * phase_count
@@ -355,7 +355,7 @@ class ConvSpec:
             >>> spec.fft_per_sample_chunks(1, 2**18)
             (3, 8, 1)
             >>> ConvSpec.from_shapes((2, 64, 28, 28), (64, 64, 31, 31), padding=15).fft_per_sample_chunks(1, 2**22)
-            (1, 1, 12)
+            (1, 1, 11)
         """
         dims = self.fft_phases
         volume = math.prod([f.size for f in dims])

@@ -11,9 +11,10 @@ Groups are a batch dim of the per-bin matmul (or of a broadcast product when A*B
 Stride and dilation by a polyphase split (``ConvSpec.fft_phases``): tap t reads x_pad[j*s + t*d], row j + q
 of phase phi, with t*d = s*q + phi. Each live phase is read by a stride-1 correlation; the phases become
 channels of x, each tap a slot (phase, q) of the kernel, so the sum over phases is part of the per-bin
-contraction. No output is computed in full and then subsampled. Transform lengths are 5-smooth and only as long
-as the circular correlation needs to wrap zeros onto zeros: U rows of a phase less the fewer of its leading and
-trailing padding rows (``ConvSpec.fft_phases``; the docs' "Derivation" page).
+contraction. No output is computed in full and then subsampled. Transform lengths are 5-smooth, even in the
+last dim (a real transform of odd length costs twice as much per point), and only as long as the circular
+correlation needs to wrap zeros onto zeros: U rows of a phase less the fewer of its leading and trailing padding
+rows (``ConvSpec.fft_phases``; the docs' "Derivation" page).
 
 A gradient is a plan (``plan``: shapes only, the steps ``explain`` shows) run by ``execute``. Work is chunked
 over groups and samples (``ConvSpec.fft_chunks``) so that one chunk's spectra hold about a quarter of the

@@ -5,7 +5,7 @@ channels per group, y's A channels per group, ~Y(f) = conj(Y(f)) the transform o
     W[n, a, b](f) = ~Y[n, a](f) X[n, b](f)        [a] [b] -> [a, b]: an outer product per bin, no sum over n
 then, as in grad_weight's plan (``plan(spec, "grad_weight")``, whose transform sizes and phases it uses), the
 inverse transform, the first Q lags and each tap read from its slot, per sample. No im2col of T columns: a
-depthwise 31x31 layer on 28x28 costs 3 transforms of 45x45 points per (sample, channel), not 961 x 784 multiply-adds.
+depthwise 31x31 layer on 28x28 costs 3 transforms of 45x48 points per (sample, channel), not 961 x 784 multiply-adds.
 
 Work goes in chunks of (groups, samples, y channels) (``ConvSpec.fft_per_sample_chunks``) holding about a quarter
 of the layer's x and y, at least ``CHUNK_MIN_REALS`` reals (the backend's budget). ``sq_norms`` reduces each chunk
@@ -134,7 +134,7 @@ def estimate_flops(spec: ConvSpec) -> float:
         >>> from convgrad.spec import ConvSpec
         >>> spec = ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256)
         >>> round(spec.macs() / (estimate_flops(spec) / 2))  # direct MACs per fft multiply-add
-        9
+        8
     """
     dims = spec.fft_phases
     p = math.prod([len(d.phases) for d in dims])

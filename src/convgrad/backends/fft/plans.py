@@ -98,7 +98,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         >>> from convgrad.spec import ConvSpec
         >>> p = plan(ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256), "output")
         >>> p.kind, p.sizes, [s.name for s in p.steps]
-        ('y_from_x', (45, 45), ['pad', 'phases', 'taps', 'transform', 'product', 'inverse', 'crop'])
+        ('y_from_x', (45, 48), ['pad', 'phases', 'taps', 'transform', 'product', 'inverse', 'crop'])
     """
     kinds = {"grad_input": "y_from_x" if spec.transposed else "x_from_y", "grad_weight": "w_from_xy",
              "output": "x_from_y" if spec.transposed else "y_from_x"}
