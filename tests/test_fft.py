@@ -140,6 +140,23 @@ def test_fft_chunks_over_groups_and_samples_give_the_same_result(monkeypatch: py
         assert _normwise(a, b) <= NORMWISE_F64
 
 
+
+@pytest.mark.parametrize("case", [Case((5, 1, 40), (6, 1, 9), padding=3, name="1d-one-input-channel"),
+                                  Case((4, 3, 10, 10), (3, 1, 5, 4), padding=((2, 1), (1, 2)), groups=3,
+                                       name="2d-depthwise")], ids=lambda c: c.name)
+def test_fft_forward_in_sample_chunks_shares_one_kernel_spectrum(case: Case, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """Several sample chunks read one kernel spectrum W(-f), its lazy conj resolved once (one x channel per group:
+    the broadcast product); real and complex data give torch's forward."""
+    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+    spec = case.spec()
+    assert fft.plan(spec, "output").chunks[1] < spec.batch
+    t = make_tensors(case)
+    for x, w in ((t["input"], t["weight"]), (torch.complex(t["input"], t["input"].flip(0)), t["weight"] + 1j)):
+        ours = get_backend("fft").forward(spec, x, w)
+        assert _normwise(ours, reference_forward(case, x, w, None)) <= NORMWISE_F64, (str(case), x.dtype)
+
+
 ROW_CHUNKED = [
     Case((3, 6, 20), (7, 6, 9), padding=4, name="1d-dense"),
     Case((1, 5, 13, 11), (6, 5, 5, 4), stride=2, dilation=(1, 2), padding=((2, 1), (3, 0)), name="2d-dense-strided"),

@@ -103,8 +103,11 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor, real: bool) -> torch
     kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
     out = _Output(spec.y_shape, _several(p), x, w)
     row_ranges = chunk_ranges(a, p.row_chunk)
+    sample_ranges = chunk_ranges(spec.batch, p.chunks[1])
     for g0, g1, whole in _group_chunks(p, kernel, True, real):
-        for n0, n1 in chunk_ranges(spec.batch, p.chunks[1]):
+        if whole is not None and len(sample_ranges) > 1 and b == 1:  # W(-f) of real data is a lazy conj, which
+            whole = whole.resolve_conj()  # the broadcast product resolves per sample chunk (SincNet: 8 copies, not 1)
+        for n0, n1 in sample_ranges:
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
             xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
             bins = xf.shape[2:]
