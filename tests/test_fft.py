@@ -239,7 +239,7 @@ def test_smooth_size_is_the_smallest_5_smooth_not_below_n() -> None:
 
 
 def test_fft_size_is_the_smallest_even_5_smooth_not_below_n() -> None:
-    """Odd transform lengths cost twice as much per point (benchmarks/results/fft_sizes.md): 45 -> 48, 81 -> 90."""
+    """Odd real-transform lengths cost twice as much per point (benchmarks/results/fft_sizes.md): 45 -> 48, 81 -> 90."""
     def smooth(m: int) -> bool:
         for p in (2, 3, 5):
             while m % p == 0:
