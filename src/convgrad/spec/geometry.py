@@ -325,7 +325,8 @@ class ConvSpec:
         """
         dims = zip(self.x_size, self.kernel_size, self.stride, self.dilation, self.y_size, self.x_read_pads,
                    self.x_read_size)
-        return tuple(formulation.fft_phase(*dim, last=j == self.n - 1) for j, dim in enumerate(dims))
+        return tuple(formulation.fft_phase(i, k, s, d, o, pads, size, last=j == self.n - 1)
+                     for j, (i, k, s, d, o, pads, size) in enumerate(dims))
 
     def fft_chunks(self, phase_count: int, budget: int) -> tuple[int, int]:
         """(groups, samples) per chunk of the FFT backend, so that one chunk's spectra hold about ``budget`` reals:
