@@ -1,5 +1,6 @@
-"""The screening's ``behind`` rule (convgrad.tuning.tuner.screen): an option far behind after its checking call is
-not timed again. Fake clock: each option's call takes the seconds scripted for it."""
+"""The screening's ``behind`` rule (convgrad.tuning.tuner.screen): the checking calls rank the options; one far behind
+the fastest checking call is not timed again, and where one option is left close to it, nothing is. Fake clock: each
+option's call takes the seconds scripted for it."""
 
 from __future__ import annotations
 
@@ -49,15 +50,31 @@ def test_a_timed_call_slower_than_its_checking_call_counts_as_delayed(monkeypatc
     assert calls.count("delayed") == 2 and seen.times == pytest.approx({"ref": 1.0, "delayed": 1.2})
 
 
-def test_behind_compares_with_the_fastest_so_far_and_keeps_a_faster_option(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fastest so far, not the reference: "fast" (0.2) is timed and chosen, and "slow" (1.0 = 5x fast), after
-    it, is left untimed, though it is only 1x the reference; an option still warming up on its checking call
-    (3x its warm time, under 4x) is timed and wins."""
+def test_behind_compares_with_the_fastest_checking_call_and_keeps_a_faster_option(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fastest checking call, not the reference's: "fast" (0.2) and "warming" (0.5, within 4x) are timed again,
+    the reference (1.0 = 5x fast) and "slow" (1.0) are not, though "slow" is only 1x the reference; an option still
+    warming up on its checking call (3x its warm time) is timed and wins."""
     options, calls = _clocked(monkeypatch, {"ref": [1.0], "fast": [0.2], "slow": [1.0], "warming": [0.5, 0.15]})
     seen = tuner.screen(options, 8, CPU, "ref", on=8, behind=4.0)
-    assert calls.count("slow") == 1 and calls.count("warming") >= 2, calls
+    assert calls.count("ref") == calls.count("slow") == 1 and calls.count("warming") >= 2, calls
     assert min(seen.times, key=seen.times.__getitem__) == "warming"
     assert tuner.decide(8, seen.times, "ref").backend == "warming"
+
+
+def test_where_the_checking_calls_leave_one_option_close_to_the_fastest_none_is_timed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """behind=2: "fast" (0.4) is the only option within 2x the fastest checking call (the reference 1.0 is 2.5x,
+    "mid" 0.9 is 2.25x): the checking calls decided, so each option runs once and keeps its checking call's time."""
+    options, calls = _clocked(monkeypatch, {"ref": [1.0, 0.1], "mid": [0.9, 0.1], "fast": [0.4, 0.3]})
+    seen = tuner.screen(options, 8, CPU, "ref", on=8, behind=2.0)
+    assert calls == ["ref", "mid", "fast"], calls
+    assert seen.times == pytest.approx({"ref": 1.0, "mid": 0.9, "fast": 0.4})
+    calls.clear()  # within 2x: "mid" at 0.7 is timed again, with "fast"; the reference (2.5x) is not
+    options, calls = _clocked(monkeypatch, {"ref": [1.0, 0.1], "mid": [0.7, 0.35], "fast": [0.4, 0.4]})
+    seen = tuner.screen(options, 8, CPU, "ref", on=8, behind=2.0)
+    assert calls.count("ref") == 1 and calls.count("mid") >= 2 and calls.count("fast") == 2, calls
+    assert min(seen.times, key=seen.times.__getitem__) == "mid"
 
 
 def test_extra_seconds_count_in_the_times_and_in_the_cut(monkeypatch: pytest.MonkeyPatch) -> None:

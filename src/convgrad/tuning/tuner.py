@@ -98,18 +98,21 @@ def screen_batch(batch: int) -> int:
     return min(batch, max(-(-batch // SCREEN_FRACTION), SCREEN_MIN))
 
 
-def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = ()) -> set[str]:
-    """The options a cost model rules out: estimated over PRUNE_ESTIMATE times the cheapest (never those in keep).
+def prune(estimates: Mapping[str, float], keep: tuple[str, ...] = (), margin: float = PRUNE_ESTIMATE) -> set[str]:
+    """The options a cost model rules out: estimated over ``margin`` (default PRUNE_ESTIMATE) times the cheapest
+    (never those in keep).
 
     Examples:
         >>> from convgrad.tuning.tuner import prune
         >>> sorted(prune({"ghost": 45.0, "unfold": 10.0, "conv": 30.0}))
         ['ghost']
+        >>> sorted(prune({"ghost": 45.0, "unfold": 10.0, "conv": 30.0}, margin=2.5))
+        ['conv', 'ghost']
     """
     if not estimates:
         return set()
     low = min(estimates.values())
-    return {n for n, e in estimates.items() if n not in keep and e > PRUNE_ESTIMATE * low}
+    return {n for n, e in estimates.items() if n not in keep and e > margin * low}
 
 
 def screen(options: Mapping[str, Run], batch: int, device: torch.device, reference: str,
@@ -122,10 +125,11 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
     timed; a probe is dropped once compared, so the screening holds two results at most. When the reference's
     own probe is not finite, only the reference is kept (nothing can be checked).
 
-    ``behind`` (a choice taken on the screening alone, as the per-sample methods'): each option is timed right
-    after its probe, in the order given, and one whose probe ran over ``behind`` times the fastest time so far is
-    not timed: its probe's time stands (a first call carries first-call costs on top of a warm call's work, so its
-    warm call could win only if those were over ``behind`` times that work); none is re-timed (``_screen_behind``).
+    ``behind`` (a choice taken on the screening alone, as the per-sample methods'): the probes rank the options, and
+    only those whose probe ran within ``behind`` times the fastest probe are timed again; where one is left, it is
+    the choice with no further call (a probe carries first-call costs on top of a warm call's work, so an option
+    over ``behind`` times the fastest probe could win only if its own first-call costs were over ``behind`` times
+    the fastest's, relative to their work); none is re-timed (``_screen_behind``).
     ``extra``: seconds added to each call of an option (work it shares with others, timed once by the caller).
     """
     agree = agree or agrees
@@ -156,29 +160,25 @@ def screen(options: Mapping[str, Run], batch: int, device: torch.device, referen
 def _screen_behind(options: Mapping[str, Run], device: torch.device, reference: str,
                    agree: Callable[[Result, Result], bool], n: int, scale: float, ref: Result, first: float,
                    behind: float, add: Mapping[str, float]) -> Screen:
-    """``screen`` with ``behind``: probe and time each option in turn, leaving untimed one whose probe is far
-    behind the fastest so far. An option's time is the faster of its probe and its timed call: against a call
-    delayed by other load, the two calls count as the re-time of ``screen`` (an option far behind on both could
-    win only if both were delayed)."""
-    ref_s = min(first, warm_time(lambda: options[reference](n), device, first))
-    times = {reference: (ref_s + add.get(reference, 0.0)) * scale}
-    ok = [reference]
+    """``screen`` with ``behind``: probe each option in turn (the reference's probe, ``first``, is taken), then time
+    again only those whose probe is within ``behind`` of the fastest probe, and none where that leaves one. An
+    option timed again keeps the faster of its probe and its warm time: against a call delayed by other load, the
+    two calls count as the re-time of ``screen``."""
+    probes = {reference: first}
     for name in options:
         if name == reference:
             continue
-        out, probe = timed(lambda r=options[name]: r(n), device)
-        right = agree(out, ref)
+        out, probes[name] = timed(lambda r=options[name]: r(n), device)
+        if not agree(out, ref):
+            del probes[name]
         del out
-        if not right:
-            continue
-        ok.append(name)
-        seconds = (probe + add.get(name, 0.0)) * scale
-        if seconds <= behind * min(times.values()):
-            warm = min(probe, warm_time(lambda r=options[name]: r(n), device, probe))
-            seconds = (warm + add.get(name, 0.0)) * scale
-        times[name] = seconds
-    ok.sort(key=list(options).index)
-    return Screen({k: times[k] for k in ok}, tuple(k for k in options if k not in ok), {reference: ref}, n)
+    times = {k: (s + add.get(k, 0.0)) * scale for k, s in probes.items()}
+    close = [k for k in times if times[k] <= behind * min(times.values())]
+    for name in close if len(close) > 1 else ():
+        warm = min(probes[name], warm_time(lambda r=options[name]: r(n), device, probes[name]))
+        times[name] = (warm + add.get(name, 0.0)) * scale
+    ok = [k for k in options if k in times]
+    return Screen({k: times[k] for k in ok}, tuple(k for k in options if k not in times), {reference: ref}, n)
 
 
 def _retime(options: Mapping[str, Run], device: torch.device, n: int, scale: float, times: dict[str, float],
