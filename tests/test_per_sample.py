@@ -14,6 +14,7 @@ from torch.func import functional_call, grad, vmap
 import convgrad as cg
 from convgrad.per_sample import methods, rules
 from convgrad.tuning import Choice
+from convgrad.tuning.tuner import PRUNE_ESTIMATE
 from helpers import TOL, Case, assert_matches_autograd, layer_case, make_tensors, reference_forward, reference_grads
 
 DT = torch.float64
@@ -687,6 +688,26 @@ def test_a_method_the_cost_model_puts_far_behind_is_never_run(tuned: None, monke
     assert calls
 
 
+@pytest.mark.parametrize("purpose", ["grads", "norms", "clip"])
+def test_an_option_estimated_over_prune_times_the_cheapest_is_never_run(tuned: None, purpose: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PRUNE`` (3x), not the tuner's default of 4x: "native" on a 6x6 output (P = 36) is estimated at 128/36 = 3.6x
+    unfold's multiply-adds, so it never runs, for any purpose (benchmarks/results/per_sample_prune.md)."""
+    from convgrad.per_sample import tuning
+
+    calls: list[str] = []
+    real_grad, real_sq = methods.weight_grad, methods.materialised_sq_norms
+    monkeypatch.setattr(methods, "weight_grad", lambda s, x, y, m: calls.append(m) or real_grad(s, x, y, m))
+    monkeypatch.setattr(methods, "materialised_sq_norms", lambda s, x, y, m: calls.append(m) or real_sq(s, x, y, m))
+    x, gy = torch.randn(8, 4, 6, 6, dtype=DT), torch.randn(8, 4, 6, 6, dtype=DT)
+    spec = cg.ConvSpec.from_shapes(x.shape, (4, 4, 3, 3), 1, 1)
+    est = tuning.estimates(spec, "norms" if purpose == "clip" else purpose, False)
+    assert tuning.PRUNE < est["native"] / est["unfold"] <= PRUNE_ESTIMATE
+    tuning.method_for(spec, x, gy, purpose)
+    assert "native" not in calls and calls, calls
+    assert "native" not in tuning.chosen(spec, purpose, x).times  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("store", [False, True])
 def test_clip_options_agree_and_storing_is_offered_only_within_the_memory_rule(store: bool) -> None:
     from convgrad.per_sample import tuning
@@ -736,7 +757,8 @@ def test_a_clip_tuning_runs_the_book_keeping_pass_only_where_it_can_change_the_r
         assert choice.times["ghost"] >= 0.2, choice.times
     else:
         assert calls == [], calls
-        assert len(without) == (3 if case == "all-end-with-the-pass" else 0), choice.times  # ghost: pruned
+        # ghost: pruned; without storing, native too (P = 36: 3.6x the others' multiply-adds, over PRUNE)
+        assert len(without) == (2 if case == "all-end-with-the-pass" else 0), choice.times
 
 
 def test_without_storing_clip_prunes_on_the_norms_cost_not_the_shared_pass(tuned: None,
@@ -760,8 +782,9 @@ def test_without_storing_clip_prunes_on_the_norms_cost_not_the_shared_pass(tuned
 
 def test_a_clip_option_far_behind_after_its_checking_call_is_not_timed(tuned: None,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``BEHIND``: "conv" made 0.3 s slower than the others' few ms runs once (its checking call), not three times
-    (a timed call and a re-time of an option over SCREEN_DROP x the fastest), and is not chosen."""
+    """``BEHIND``: "conv" made 0.3 s slower than unfold's few ms runs once (its checking call), not three times
+    (a timed call and a re-time of an option over SCREEN_DROP x the fastest), and is not chosen; unfold, then the
+    only option within BEHIND of the fastest checking call, is not timed again either (native: pruned, P = 36)."""
     from convgrad.per_sample import tuning
 
     calls: list[str] = []
@@ -777,7 +800,7 @@ def test_a_clip_option_far_behind_after_its_checking_call_is_not_timed(tuned: No
     x, gy = torch.randn(8, 4, 6, 6, dtype=DT), torch.randn(8, 4, 6, 6, dtype=DT)
     spec = cg.ConvSpec.from_shapes(x.shape, (4, 4, 3, 3), 1, 1)
     method = tuning.method_for(spec, x, gy, "clip", False)
-    assert calls.count("conv") == 1 and calls.count("unfold") >= 2, calls
+    assert calls == ["unfold", "conv"], calls
     assert method != "conv" and tuning.chosen(spec, "clip", x).times["conv"] >= 0.3  # type: ignore[union-attr]
 
 

@@ -148,7 +148,7 @@ def per_sample_grad_norms(input: torch.Tensor, weight_size: Sequence[int], grad_
     (summing the Gram matrices over groups first, as BackPACK's BatchL2Grad does, adds the
     cross-group terms and is wrong). "auto" times the methods once per layer configuration on a
     slice of the batch (``convgrad.per_sample.tuning``; a method whose multiply-adds below are over
-    4x the cheapest is never run) and takes the fastest; with ``CONVGRAD_AUTOTUNE=fixed`` it follows
+    3x the cheapest, 4x beside "fft", is never run) and takes the fastest; with ``CONVGRAD_AUTOTUNE=fixed`` it follows
     the cost model below, with P = prod(out positions of the small side), T = prod(k), g = groups
     and C_x, C_y the channels of the big and small side (the input and output channels of a
     forward conv):

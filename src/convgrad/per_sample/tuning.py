@@ -11,13 +11,14 @@ Three purposes, each a set of options for one conv layer (x, y: its two sides, s
              unfold+store, conv+store, native+store, fft+store (materialised once, then a weighted sum), which then
              take the place of unfold, conv, native, fft (``raced``)
 Options are first pruned by the cost model (multiply-adds, ``estimates``; for "clip" without storing, the norms'
-alone, since every option then ends with the same pass): one estimated over ``PRUNE_ESTIMATE`` (4x) the cheapest is
-never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's multiply-adds, and it measured 423 ms against
-unfold's 36 ms), and where one option is left it is the choice, untimed. The rest are screened on the whole batch, the
-cheapest estimate first (a probe and a timed call each, but no timed call after a probe over ``BEHIND`` times the
-fastest so far) and the fastest is taken; for "clip", the Book-Keeping pass that the options without "+store"
-share runs once (a warm-up and a timed call) and its time is added to each of theirs, and not at all where every
-option raced ends with it. Not on a
+alone, since every option then ends with the same pass): one estimated over ``PRUNE`` (3x; 4x where "fft" races)
+the cheapest is never run (ghost on ResNet-18's 64-channel 32x32 layers: 18x unfold's multiply-adds, and it measured
+423 ms against unfold's 36 ms), and where one option is left it is the choice, untimed. The rest are screened on the
+whole batch, the cheapest estimate first: each runs once (its checking call), and only those whose first call ran
+within ``BEHIND`` times the fastest first call run again, timed; where one is left, the first calls decided and
+nothing runs again. The fastest is taken; for "clip", the Book-Keeping pass that the options without "+store" share
+runs once (a warm-up and a timed call) and its time is added to each of theirs, and not at all where every option
+raced ends with it. Not on a
 slice: the ranking moves with the batch (the small CNN's second conv, per sample: conv 0.17 ms and unfold 0.49 ms
 on 4 samples, but 2.15 and 1.26 ms on 32; 2 busy shared cores). Unlike a backend, an option's work here is split
 between the backward and the clipping, so a later call cannot run one option whole: the screening alone decides.
@@ -41,20 +42,32 @@ from convgrad.backends.fft import per_sample as fft
 from convgrad.per_sample import methods
 from convgrad.spec import ConvSpec
 from convgrad.tuning import Choice, Store, bucketed, decide, device_name, fixed, screen, threads, tunable, tune
-from convgrad.tuning.tuner import prune, timed
+from convgrad.tuning.tuner import PRUNE_ESTIMATE, prune, timed
 
-__all__ = ["BEHIND", "PURPOSES", "book_keeping", "chosen", "estimates", "method_for", "options", "raced"]
+__all__ = ["BEHIND", "PRUNE", "PURPOSES", "book_keeping", "chosen", "estimates", "method_for", "options", "raced"]
 
 PURPOSES = ("grads", "norms", "clip")
 _NAMES = ("ghost", "unfold", "conv", "native", "fft", "unfold+store", "conv+store", "native+store", "fft+store")
 _MATERIALISING = ("unfold", "conv", "native", "fft")
 Key = tuple[ConvSpec, str, torch.dtype, torch.device, int]
-# An option whose first (checking) call runs over BEHIND times the fastest option timed so far is not timed again
-# (``screen``'s ``behind``). On ResNet-18's 11 layer shapes (first clipped step of ``benchmarks/first_step.py
+# An option estimated over PRUNE times the cheapest is never run (the tuner's default, PRUNE_ESTIMATE, is 4x). On the
+# 42 conv layer shapes of per_sample_models' clipped steps (ResNet-18, small CNN, VGG-11, WRN-16-4, U-Net; batch 32,
+# 2 shared cores), every option estimated over 3x the cheapest (60 of them) ran at least 1.39x the fastest, and the
+# 17 of them estimated 3-4x ran 1.54-3.95x (benchmarks/results/per_sample_prune.md, made by
+# ``benchmarks/per_sample_prune.py --threads 2``): on ResNet-18, unfold and conv on 256 channels at 8x8 and on 128
+# channels at 16x16 stride 2 (3.3-3.6x ghost's norms) and ghost on 64 channels at 32x32 stride 2 (3.4x) go untimed.
+# Where "fft" takes part (large kernels, none among those shapes), the tuner's 4x stays.
+PRUNE = 3.0
+# An option whose first (checking) call runs over BEHIND times the fastest first call is not timed again, and where
+# one option is left within BEHIND, none is (``screen``'s ``behind``): a first call carries one-time costs over a
+# warm call's work, so such an option could win only if its own first-call costs were over BEHIND times the
+# fastest's, relative to the work. On ResNet-18's 11 layer shapes (first clipped step of ``benchmarks/first_step.py
 # --per-sample c``, 4 runs, 2 shared busy cores) a first call of 50 ms or more ran at most 2.4x the option's fastest
-# later call, mostly under 1.4x, while the fwdconv plan ("conv") ran 2.4-16x the fastest on 9 of the shapes. Where the
-# fastest takes a few ms, a first call can run 10x, but a wrong cut there costs at most those few ms per step.
-BEHIND = 4.0
+# later call, mostly under 1.4x; in one traced first step, the 7 options whose first call ran over 2x the fastest
+# first call and were timed again (conv+store, native+store, ghost) ran 1.7-3.6x the fastest warm call, none the
+# fastest. Where the fastest takes a few ms, a first call can run 10x, but a wrong cut there costs at most those
+# few ms per step.
+BEHIND = 2.0
 
 
 def _key(spec: ConvSpec, purpose: str, like: torch.Tensor) -> Key:
@@ -83,7 +96,7 @@ def estimates(spec: ConvSpec, purpose: str, store: bool) -> dict[str, float]:
         >>> from convgrad.spec import ConvSpec
         >>> spec = ConvSpec.from_shapes((32, 64, 32, 32), (64, 64, 3, 3), 1, 1)  # ResNet-18's first stage
         >>> e = estimates(spec, "norms", False)
-        >>> round(e["ghost"] / e["unfold"], 1)  # pruned: over 4x
+        >>> round(e["ghost"] / e["unfold"], 1)  # pruned: over PRUNE (3x)
         17.8
     """
     n, p, t, g = spec.batch, spec.positions, spec.taps, spec.groups
@@ -214,13 +227,14 @@ def _tune(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store:
     # without storing, every "clip" option ends with the Book-Keeping pass: a cost they all share cannot rank them,
     # so the cost model prunes on the rest, the norms' (ghost on ResNet-18's 4x4 and 8x8 stride-2 layers: 1/11-1/28
     # of unfold's multiply-adds, measured 5-75x faster)
-    dropped = prune(estimates(spec, "norms", False) if purpose == "clip" and not store else est, keep=(reference,))
+    dropped = prune(estimates(spec, "norms", False) if purpose == "clip" and not store else est, keep=(reference,),
+                    margin=PRUNE_ESTIMATE if "fft" in est else PRUNE)  # PRUNE's evidence has no large kernel
     if all(n in dropped for n in raced(spec, purpose, store) if n != reference):
         return Choice(reference, {}, (), spec.batch)  # nothing left to compare it with: no call to time
     with torch.no_grad():
         if purpose != "clip":
-            choice, _ = tune(options(spec, x, y, purpose, store), spec.batch, x.device, reference, estimates=est,
-                             on=spec.batch, behind=BEHIND)
+            runs = {n: r for n, r in options(spec, x, y, purpose, store).items() if n not in dropped}
+            choice, _ = tune(runs, spec.batch, x.device, reference, estimates=est, on=spec.batch, behind=BEHIND)
         else:
             choice = _tune_clip(spec, x, y, store, dropped, reference)
     return dataclasses.replace(choice, pending=())  # the screening decides (module doc): its fastest
