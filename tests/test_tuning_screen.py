@@ -30,12 +30,13 @@ def _clocked(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, list[float]]) -
 
 
 def test_an_option_whose_checking_call_is_far_behind_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """behind=4: "far" (its checking call 4.2x the reference's timed call) runs once and keeps its probe's time;
-    "near" (3.9x) is timed, once: with ``behind`` nothing is re-timed. Without ``behind`` "far" runs 3 times
-    (probe, timed call, re-time over SCREEN_DROP x the fastest), and so does "near"."""
+    """behind=4: "far" (its checking call 4.2x the reference's) runs once and keeps its probe's time; "near" (3.9x)
+    is timed, once: with ``behind`` nothing is re-timed; the reference, fastest, is not timed again since "near"
+    stays behind it. Without ``behind`` "far" runs 3 times (probe, timed call, re-time over SCREEN_DROP x the
+    fastest), and so does "near"."""
     options, calls = _clocked(monkeypatch, {"ref": [1.0], "far": [4.2, 1.0], "near": [3.9]})
     seen = tuner.screen(options, 8, CPU, "ref", on=8, behind=4.0)
-    assert [calls.count(n) for n in options] == [2, 1, 2], calls
+    assert [calls.count(n) for n in options] == [1, 1, 2], calls
     assert seen.times == pytest.approx({"ref": 1.0, "far": 4.2, "near": 3.9})
     calls.clear()
     tuner.screen(options, 8, CPU, "ref", on=8)
@@ -90,3 +91,18 @@ def test_a_rejected_option_is_not_timed_with_behind(monkeypatch: pytest.MonkeyPa
     options["wrong"] = lambda m: calls.append("wrong") or torch.zeros(m)
     seen = tuner.screen(options, 8, CPU, "ref", on=8, behind=4.0)
     assert seen.rejected == ("wrong",) and calls.count("wrong") == 1 and "wrong" not in seen.times
+
+
+def test_the_fastest_checking_call_is_timed_again_only_where_another_option_then_beats_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """"lead" has the fastest checking call (0.8) and is timed last: where the others' warm calls stay above 0.8
+    ("ref" 0.95), its own warm call could only lower its time, so it is not made; where one beats it ("ref" 0.7),
+    it is, and wins at 0.5."""
+    options, calls = _clocked(monkeypatch, {"ref": [1.0, 0.95], "lead": [0.8, 0.5]})
+    seen = tuner.screen(options, 8, CPU, "ref", on=8, behind=2.0)
+    assert calls == ["ref", "lead", "ref"], calls
+    assert seen.times == pytest.approx({"ref": 0.95, "lead": 0.8})
+    options, calls = _clocked(monkeypatch, {"ref": [1.0, 0.7], "lead": [0.8, 0.5]})
+    seen = tuner.screen(options, 8, CPU, "ref", on=8, behind=2.0)
+    assert calls.count("lead") >= 2 and min(seen.times, key=seen.times.__getitem__) == "lead", calls
+    assert seen.times["lead"] == pytest.approx(0.5)

@@ -161,9 +161,10 @@ def _screen_behind(options: Mapping[str, Run], device: torch.device, reference: 
                    agree: Callable[[Result, Result], bool], n: int, scale: float, ref: Result, first: float,
                    behind: float, add: Mapping[str, float]) -> Screen:
     """``screen`` with ``behind``: probe each option in turn (the reference's probe, ``first``, is taken), then time
-    again only those whose probe is within ``behind`` of the fastest probe, and none where that leaves one. An
-    option timed again keeps the faster of its probe and its warm time: against a call delayed by other load, the
-    two calls count as the re-time of ``screen``."""
+    again only those whose probe is within ``behind`` of the fastest probe, and none where that leaves one; the
+    fastest probe last, and not at all where none of the others then beats it. An option timed again keeps the
+    faster of its probe and its warm time: against a call delayed by other load, the two calls count as the re-time
+    of ``screen``."""
     probes = {reference: first}
     for name in options:
         if name == reference:
@@ -173,8 +174,13 @@ def _screen_behind(options: Mapping[str, Run], device: torch.device, reference: 
             del probes[name]
         del out
     times = {k: (s + add.get(k, 0.0)) * scale for k, s in probes.items()}
-    close = [k for k in times if times[k] <= behind * min(times.values())]
+    # the fastest checking call last: where no other option's time then beats it, its own warm call (which can
+    # only lower its time) cannot change the choice, and it is not made
+    close = sorted((k for k in times if times[k] <= behind * min(times.values())), key=times.__getitem__,
+                   reverse=True)
     for name in close if len(close) > 1 else ():
+        if name == close[-1] and all(times[k] >= times[name] for k in close[:-1]):
+            break
         warm = min(probes[name], warm_time(lambda r=options[name]: r(n), device, probes[name]))
         times[name] = (warm + add.get(name, 0.0)) * scale
     ok = [k for k in options if k in times]
