@@ -95,11 +95,23 @@ MAX_SPECS = 4096
 SPECS: dict[tuple[Any, ...], Any] = {}
 
 
+_INT = frozenset((int,))
+_ATOMS = (int, str)
+
+
 def memo_key(owner: type, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The ``SPECS`` key of from_shapes's arguments ``(input_shape, weight_shape, stride, padding, dilation,
     transposed, output_padding, groups, fn)``, or None when they must be validated themselves: 1.0 == 1 and
-    True == 1, so only exact types share an entry; a subclass (``owner``) builds its own class."""
-    return (owner, *args) if type(args[5]) is bool and all(map(exact, args[:5] + args[6:])) else None
+    True == 1, so only exact types share an entry (``exact``); a subclass (``owner``) builds its own class.
+
+    Asked on every call of every layer: the common forms (an int or a str, a tuple or torch.Size of ints) are
+    tested by type in C, without a Python call per value; the rest (``(lo, hi)`` pairs) by ``exact``."""
+    if type(args[5]) is not bool:
+        return None
+    for v in args[:5] + args[6:]:
+        if not (type(v) in _ATOMS or (isinstance(v, tuple) and (_INT.issuperset(map(type, v)) or exact(v)))):
+            return None
+    return (owner, *args)
 
 
 def remember(key: tuple[Any, ...], spec: Any) -> None:
