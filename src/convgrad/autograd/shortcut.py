@@ -36,7 +36,7 @@ def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight:
     elif backend != "auto":
         return False
     if (function.weight_gradients_disabled or input.is_complex() or not spec.is_symmetric or not input.is_contiguous()
-            or not weight.is_contiguous() or torch.jit.is_tracing()):
+            or not weight.is_contiguous() or _is_tracing()):  # never asked while compiling (see _is_tracing)
         return False
     if backend == "native" or auto_fixed():
         return True
@@ -56,8 +56,10 @@ def torch_conv(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: 
     """torch's convolution with its own autograd node (see ``native_throughout``); ``args``: spec.aten_args."""
     batched = input.unsqueeze(0) if spec.unbatched else input  # (N, C_in, *i)
     out = torch.convolution(batched, weight, bias, *(spec.aten_args if args is None else args))  # (N, C_out, *o)
-    if weight.requires_grad and out.grad_fn is not None:
-        out.grad_fn.register_hook(drop_weight_gradient)
+    if weight.requires_grad:
+        node = out.grad_fn  # read once: each read builds a new Python object for the node
+        if node is not None:
+            node.register_hook(drop_weight_gradient)
     return out.squeeze(0) if spec.unbatched else out  # (C_out, *o) unbatched
 
 
@@ -100,9 +102,11 @@ def auto_state(backend: str) -> tuple[Any, ...] | None:
 
 
 # looked up once: memoised asks them on every call of every module. The compile check comes before the tracing one,
-# so Dynamo, for which is_compiling() is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its
-# two Python frames)
-_is_compiling = torch.compiler.is_compiling
+# so Dynamo, for which it is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its two Python
+# frames). Dynamo's own query (one frame; torch.compiler.is_compiling asks is_scripting first) where torch has it
+# (2.3+): the memo must not serve while Dynamo traces (a node hook is not traceable); the rest of what
+# is_compiling() counts (non-strict export, AOTAutograd's tracing) runs on tensor subclasses, which memo_key refuses
+_is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 _is_tracing = torch._C._is_tracing
 _autocast_enabled = torch._C._is_any_autocast_enabled
 

@@ -344,12 +344,14 @@ class AutoBackend(Backend):
     @staticmethod
     def _settled_on_native(spec: ConvSpec, gradient: str, grad_output: torch.Tensor) -> bool:
         """The choice for this gradient (or "both") is native and settled: native runs without the lookups and
-        the drift watch (memoised, see settled_native); what runs is the same."""
-        if torch.compiler.is_compiling() or fixed():
+        the drift watch (memoised, see settled_native); what runs is the same. The fixed mode is asked only on a
+        miss: a remembered answer (from the tune mode) says native, which is what the fixed mode runs anyway."""
+        if torch.compiler.is_compiling():
             return False
         memo, known = _lookup(spec, gradient, grad_output)
-        return known or _remembered(memo, spec, lambda: tuning.tunable(grad_output) and _native_settled(
-            _choices.lookup(_key(spec, gradient, grad_output)), grad_output.device))
+        return known or (not fixed() and _remembered(memo, spec, lambda: tuning.tunable(grad_output) and
+                                                     _native_settled(_choices.lookup(_key(spec, gradient, grad_output)),
+                                                                     grad_output.device)))
 
     @staticmethod
     def _tuning(*tensors: torch.Tensor | None) -> bool:

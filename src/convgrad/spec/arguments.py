@@ -96,6 +96,7 @@ SPECS: dict[tuple[Any, ...], Any] = {}
 
 
 _INT = frozenset((int,))
+_BOOL = frozenset((bool,))
 _ATOMS = (int, str)
 
 
@@ -187,6 +188,8 @@ def check_bias_sizes(fn: str, bias_sizes: Any, out_channels: int) -> None:
 
 def check_output_mask(fn: str, output_mask: Any) -> tuple[bool, bool, bool]:
     """output_mask must be three bools (grad_input, grad_weight, grad_bias)."""
+    if type(output_mask) is tuple and len(output_mask) == 3 and _BOOL.issuperset(map(type, output_mask)):
+        return output_mask  # the usual form, tested in C (an isinstance of Sequence runs three Python frames)
     if (not isinstance(output_mask, Sequence) or isinstance(output_mask, str) or len(output_mask) != 3
             or not all(isinstance(m, bool) for m in output_mask)):
         raise ConvgradValueError(
