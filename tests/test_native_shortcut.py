@@ -202,11 +202,32 @@ def test_auto_settled_on_another_backend_goes_through_convgrad(tuning: Any) -> N
 # ---- a module's memo of its last validation ----------------------------------------------------------------------
 
 def test_module_memo_follows_every_change_of_the_call() -> None:
-    """Mutant: _memoised serving whenever a memo exists (no key check) fails the stride, dtype and backend steps."""
+    """Mutants: _memoised serving whenever a memo exists (no key check) fails the stride, dtype and backend steps;
+    the bias's dtype or device left out of memo_key fails the bias steps; memoised without its fallback on torch's
+    refusal fails the weight dtype and bias shape steps (torch's RuntimeError instead of convgrad's error)."""
     m = cg.nn.Conv2d(4, 4, 3, backend="native", dtype=F64)
     x = _X.clone()
     assert m(x).shape == (2, 4, 4, 4) and m(x).shape == (2, 4, 4, 4)
     assert m._convgrad_memo.key is not None
+    # every operand the memo key leaves to torch, or keeps from it, still raises convgrad's error
+    changes = [("weight", torch.float32, "cpu", TypeError, r"Conv2d: weight\.dtype=torch\.float32 does not match"),
+               ("weight", F64, "meta", ValueError, r"Conv2d: weight\.device=meta does not match"),
+               ("bias", torch.float32, "cpu", TypeError, r"Conv2d: bias\.dtype=torch\.float32 does not match"),
+               ("bias", F64, "meta", ValueError, r"Conv2d: bias\.device=meta does not match")]
+    for name, dtype, device, error, message in changes:
+        kept = getattr(m, name)
+        setattr(m, name, torch.nn.Parameter(kept.detach().to(dtype=dtype, device=device)))
+        with pytest.raises(error, match=message):
+            m(x)
+        setattr(m, name, kept)
+        m(x)  # the memo filled again
+        assert m._convgrad_memo.key is not None
+    bias = m.bias
+    m.bias = torch.nn.Parameter(torch.zeros(5, dtype=F64))
+    with pytest.raises(ValueError, match=r"Conv2d: bias\.shape=\(5,\) must be \(out_channels,\)=\(4,\)"):
+        m(x)
+    m.bias = bias
+    m(x)
     m.stride = (2, 2)
     torch.testing.assert_close(m(x), F.conv2d(x, m.weight, m.bias, stride=2))
     with pytest.raises(TypeError, match=r"Conv2d: weight\.dtype=torch\.float64 does not match input\.dtype="
