@@ -323,8 +323,9 @@ def test_a_functional_call_adds_few_python_frames_to_torchs() -> None:
     """The functional path (issue 25, item 11), in the fixed mode: ``cg.conv2d`` forward + backward against
     F.conv2d's (22 frames more, 23 with backend="auto"; 62 before the spec cached its derived values, the memo key
     tested types in C and apply checked each tensor once), and ``conv_backward`` (57 more than aten's
-    convolution_backward called directly; auto 10 more than native). Mutant: ``aten_args`` recomputed from the
-    fields on every read (as before) fails it."""
+    convolution_backward called directly; auto 9 more than native, one more on torch < 2.3). Mutants: ``aten_args``
+    recomputed from the fields on every read (as before); auto's settled lookup behind torch.compiler.is_compiling
+    again: each fails it."""
     torch.manual_seed(0)
     x = torch.randn(1, 8, 10, 10, requires_grad=True)
     w, b = torch.randn(8, 8, 1, 1, requires_grad=True), torch.randn(8, requires_grad=True)
@@ -342,7 +343,8 @@ def test_a_functional_call_adds_few_python_frames_to_torchs() -> None:
         frames = {name: python_frames(step) for name, step in steps.items()}
     assert frames["native"] - frames["F.conv2d"] <= 22 and frames["auto"] - frames["F.conv2d"] <= 23, frames
     assert frames["conv_backward native"] - frames["aten"] <= 57, frames
-    assert frames["conv_backward auto"] - frames["conv_backward native"] <= 10, frames
+    old_torch = not hasattr(torch.compiler, "is_dynamo_compiling")
+    assert frames["conv_backward auto"] - frames["conv_backward native"] <= 9 + old_torch, frames
 
 
 def test_module_memo_is_not_copied_nor_pickled() -> None:

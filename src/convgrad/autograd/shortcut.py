@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from convgrad.autograd import function
+from convgrad.backends.auto import dynamo_compiling as auto_dynamo_compiling
 from convgrad.backends.auto import fixed as auto_fixed
 from convgrad.backends.auto import memo_state as auto_memo_state
 from convgrad.backends.auto import settled_native as auto_settled_native
@@ -109,10 +110,10 @@ def auto_state(backend: str) -> tuple[Any, ...] | None:
 
 # looked up once: memoised asks them on every call of every module. The compile check comes before the tracing one,
 # so Dynamo, for which it is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its two Python
-# frames). Dynamo's own query (one frame; torch.compiler.is_compiling asks is_scripting first) where torch has it
-# (2.3+): the memo must not serve while Dynamo traces (a node hook is not traceable); the rest of what
-# is_compiling() counts (non-strict export, AOTAutograd's tracing) runs on tensor subclasses, which memo_key refuses
-_is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+# frames). Dynamo's own query (auto's, one frame): the memo must not serve while Dynamo traces (a node hook is not
+# traceable); the rest of what is_compiling() counts (non-strict export, AOTAutograd's tracing) runs on tensor
+# subclasses, which memo_key refuses
+_is_compiling = auto_dynamo_compiling
 _is_tracing = torch._C._is_tracing
 _autocast_enabled = torch._C._is_any_autocast_enabled
 
