@@ -56,7 +56,7 @@ RESNET18 = (
 
 def _calls(spec: ConvSpec, t: dict[str, torch.Tensor], n: int) -> dict[tuple[str, str], Any]:
     x, w, gy = t["input"][:n], t["weight"], t["grad_output"][:n]
-    s = ConvSpec(**{**spec.__dict__, "batch": n})
+    s = spec.with_batch(n)
     out = {}
     for name in BACKENDS:
         b = get_backend(name)

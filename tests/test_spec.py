@@ -102,6 +102,14 @@ def test_from_shapes_remembers_a_spec_but_still_checks_each_type() -> None:
     with pytest.raises(TypeError, match="transposed=1 must be a bool"):
         ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), 1, 1, 1, 1, 0, 1, fn="memo")
     assert ConvSpec.from_shapes([2, 4, 9, 9], [6, 4, 3, 3], [1, 1], [1, 1], fn="memo") == a  # lists: validated
+    # tuples and (lo, hi) pairs: the memo key tests a tuple of ints by its types in C, pairs one by one
+    pairs = ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), (1, 1), ((1, 1), (1, 1)), fn="memo")
+    assert ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), (1, 1), ((1, 1), (1, 1)), fn="memo") is pairs
+    for bad in (dict(stride=(1, True)), dict(stride=(1, 1.0)), dict(padding=((1, 1.0), (1, 1))),
+                dict(padding=((1, True), (1, 1)))):
+        args = dict(stride=(1, 1), padding=((1, 1), (1, 1))) | bad
+        with pytest.raises(TypeError, match="memo: "):
+            ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), fn="memo", **args)
     assert ConvSpec.from_shapes((2, 4, 9, 9), (6, 4, 3, 3), 1, 1, fn="other").fn == "other"
 
 
@@ -375,3 +383,30 @@ def test_pad_then_crop_pads_by_lo_and_hi_even_where_f_pad_would_fail(lo: int, hi
     got = padded[cut[0]: max(len(padded) - cut[1], 0)]  # a stop below 0 would wrap; crop that far: empty
     want = [float(rows[m - lo]) if 0 <= m - lo < len(rows) else 0.0 for m in range(max(len(rows) + lo + hi, 0))]
     assert got.tolist() == want
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_derived_values_computed_once_match_their_formulas_and_follow_replace(transposed: bool) -> None:
+    """The values every call reads (shapes, sizes, the aten arguments, the padding split) are computed once per
+    spec (issue 25, item 11); each equals its formula from the fields, also on specs derived by ``replace``
+    (with_batch, with_merged_groups, with_leading_unit_dim). Mutant: ``_output_shape`` built from ``y_size`` for
+    a transposed conv fails it."""
+    from convgrad.spec.formulation import output_rows, transposed_output_rows
+    w = (4, 3, 3, 2) if transposed else (6, 2, 3, 2)
+    base = ConvSpec.from_shapes((2, 4, 9, 8), w, (2, 1), ((1, 2), (0, 0)), (1, 2), transposed,
+                                (1, 0) if transposed else 0, 2)
+    for spec in (base, base.with_batch(5), base.with_merged_groups(2), base.with_leading_unit_dim()):
+        rows = [transposed_output_rows(o, k, s, d, op, p) if transposed else output_rows(o, k, s, d, p)
+                for o, k, s, d, op, p in zip(spec.input_size, spec.kernel_size, spec.stride, spec.dilation,
+                                             spec.output_padding, spec.padding)]
+        out = tuple(rows)
+        assert spec.output_size == out and (spec.x_size, spec.y_size) == ((out, spec.input_size) if transposed
+                                                                           else (spec.input_size, out))
+        assert spec.input_shape == (spec.batch, spec.in_channels, *spec.input_size)
+        assert spec.output_shape == (spec.batch, spec.out_channels, *out)
+        c_x, c_y = (spec.out_channels, spec.in_channels) if transposed else (spec.in_channels, spec.out_channels)
+        assert spec.weight_shape == (c_y, c_x // spec.groups, *spec.kernel_size)
+        m = tuple(min(p) for p in spec.padding)
+        assert spec.symmetric_padding == m and spec.is_symmetric == all(lo == hi for lo, hi in spec.padding)
+        assert spec.padding_excess == tuple((lo - a, hi - a) for (lo, hi), a in zip(spec.padding, m))
+        assert spec.aten_args == (spec.stride, m, spec.dilation, transposed, spec.output_padding, spec.groups)

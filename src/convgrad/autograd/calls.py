@@ -13,7 +13,7 @@ from convgrad.autograd.function import SCRIPT_UNSUPPORTED, ConvCore, ConvFunctio
 from convgrad.autograd.shortcut import PARAMETER_TYPES, CallMemo, auto_state, memo_key, native_throughout, torch_conv
 from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.backends.native import forward as native_forward
-from convgrad.checks import check_tensor, check_tensors
+from convgrad.checks import check_same_kind, check_tensor, check_untraced
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
 
@@ -78,14 +78,22 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if torch._C._is_any_autocast_enabled():
         tensors = _autocast(fn, b, tensors)  # then the rest: autocast mixes float32 and bfloat16 operands
         input, weight, bias = tensors["input"], tensors["weight"], tensors.get("bias")
-    check_tensors(fn, b, results_in_graph=True, **tensors)
+    # what check_tensors adds to the checks of each tensor above (a cast one was checked by _autocast)
+    check_same_kind(fn, tensors)
+    if not b.differentiable:
+        check_untraced(fn, b, tensors, returns_gradients=False)
     compiling = torch.compiler.is_compiling()
     transformed = compiling and torch._C._are_functorch_transforms_active()
     if transformed and function.weight_gradients_disabled:
         raise ConvgradValueError(_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM.format(fn=fn))
-    spec = ConvSpec.from_shapes(shape_of(input), shape_of(weight), stride, padding, dilation, transposed,
-                                output_padding, groups, fn=fn, memo=not compiling)
-    if bias is not None and shape_of(bias) != (spec.out_channels,):
+    # torch.jit.trace gives sizes as tensors, Dynamo traces a tuple best: shape_of there, else the sizes as they are.
+    # torch._C's query, not torch.jit.is_tracing (two Python frames): Dynamo, for which compiling is True, never
+    # meets it
+    sized = compiling or torch._C._is_tracing()
+    spec = ConvSpec.from_shapes(shape_of(input) if sized else input.shape, shape_of(weight) if sized else weight.shape,
+                                stride, padding, dilation, transposed, output_padding, groups, fn=fn,
+                                memo=not compiling)
+    if bias is not None and (shape_of(bias) if sized else bias.shape) != (spec.out_channels,):
         raise ConvgradValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
     if transformed:
         # Dynamo differentiates the forward of a transformed Function anyway (pytorch/pytorch#193279), and cannot

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from convgrad.autograd import function
+from convgrad.backends.auto import dynamo_compiling as auto_dynamo_compiling
 from convgrad.backends.auto import fixed as auto_fixed
 from convgrad.backends.auto import memo_state as auto_memo_state
 from convgrad.backends.auto import settled_native as auto_settled_native
@@ -36,7 +37,7 @@ def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight:
     elif backend != "auto":
         return False
     if (function.weight_gradients_disabled or input.is_complex() or not spec.is_symmetric or not input.is_contiguous()
-            or not weight.is_contiguous() or torch.jit.is_tracing()):
+            or not weight.is_contiguous() or _is_tracing()):  # never asked while compiling (see _is_tracing)
         return False
     if backend == "native" or auto_fixed():
         return True
@@ -56,8 +57,10 @@ def torch_conv(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: 
     """torch's convolution with its own autograd node (see ``native_throughout``); ``args``: spec.aten_args."""
     batched = input.unsqueeze(0) if spec.unbatched else input  # (N, C_in, *i)
     out = torch.convolution(batched, weight, bias, *(spec.aten_args if args is None else args))  # (N, C_out, *o)
-    if weight.requires_grad and out.grad_fn is not None:
-        out.grad_fn.register_hook(drop_weight_gradient)
+    if weight.requires_grad:
+        node = out.grad_fn  # read once: each read builds a new Python object for the node
+        if node is not None:
+            node.register_hook(drop_weight_gradient)
     return out.squeeze(0) if spec.unbatched else out  # (C_out, *o) unbatched
 
 
@@ -85,13 +88,19 @@ class CallMemo:
 
 def memo_key(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, ...] | None:
     """The operands' shapes, dtypes and devices; None where the memo must not serve (subclasses: ExpandedWeight,
-    fake and traced tensors; layouts other than contiguous)."""
+    fake and traced tensors; layouts other than contiguous).
+
+    Two are left to torch's convolution, which refuses every value that differs from the validated call's (a
+    weight dtype other than the input's, a bias shape other than ``(C_out,)``); ``memoised`` then validates the
+    call, so that the error is convgrad's. Each size read builds a torch.Size: about half a percent of a small
+    layer's forward and backward apiece. The rest torch would take silently (a bias of another dtype, an operand
+    on the meta device), so they stay in the key."""
     if (type(input) is not torch.Tensor or type(weight) not in PARAMETER_TYPES
             or (bias is not None and type(bias) not in PARAMETER_TYPES)
             or not input.is_contiguous() or not weight.is_contiguous()):
         return None
-    return (input.shape, input.dtype, input.device, weight.shape, weight.dtype, weight.device,
-            None if bias is None else (bias.shape, bias.dtype, bias.device))
+    return (input.shape, input.dtype, input.device, weight.shape, weight.device,
+            None if bias is None else (bias.dtype, bias.device))
 
 
 def auto_state(backend: str) -> tuple[Any, ...] | None:
@@ -100,9 +109,11 @@ def auto_state(backend: str) -> tuple[Any, ...] | None:
 
 
 # looked up once: memoised asks them on every call of every module. The compile check comes before the tracing one,
-# so Dynamo, for which is_compiling() is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its
-# two Python frames)
-_is_compiling = torch.compiler.is_compiling
+# so Dynamo, for which it is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its two Python
+# frames). Dynamo's own query (auto's, one frame): the memo must not serve while Dynamo traces (a node hook is not
+# traceable); the rest of what is_compiling() counts (non-strict export, AOTAutograd's tracing) runs on tensor
+# subclasses, which memo_key refuses
+_is_compiling = auto_dynamo_compiling
 _is_tracing = torch._C._is_tracing
 _autocast_enabled = torch._C._is_any_autocast_enabled
 
@@ -116,5 +127,8 @@ def memoised(memo: CallMemo, input: torch.Tensor, weight: torch.Tensor, bias: to
     if (not all(map(operator.is_, memo.hyper, hyper)) or memo_key(input, weight, bias) != memo.key
             or (backend == "auto" and auto_memo_state() != memo.auto)):
         return None
-    return torch_conv(memo.spec, input, weight, bias, memo.args)
+    try:
+        return torch_conv(memo.spec, input, weight, bias, memo.args)
+    except RuntimeError:  # an operand memo_key leaves to torch does not fit: validate, for convgrad's error
+        return None
 

@@ -76,11 +76,15 @@ from convgrad.tuning import (  # auto's documented names, kept from before tunin
 from convgrad.tuning import tune as _tune  # a module name, so that tests can count the tunings
 
 __all__ = ["FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path", "candidates",
-           "changes", "chosen", "clear", "device_name", "fixed", "get_mode", "memo_state", "set_mode",
-           "settled_native",
-           "tuning_mode"]
+           "changes", "chosen", "clear", "device_name", "dynamo_compiling", "fixed", "get_mode", "memo_state",
+           "set_mode", "settled_native", "tuning_mode"]
 
 FIXED_CHOICE = "native"
+
+# Dynamo's own compile query where torch has it (2.3+): one Python frame, where torch.compiler.is_compiling asks
+# torch.jit.is_scripting first. What is_compiling() counts besides Dynamo (non-strict export, AOTAutograd's tracing
+# of a backward) runs on fake tensors, which the per-call lookups below never find settled (``tuning.tunable``)
+dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 Gradient = Callable[[Backend, ConvSpec, int], torch.Tensor]  # (backend, spec of n samples, n)
 
@@ -344,12 +348,14 @@ class AutoBackend(Backend):
     @staticmethod
     def _settled_on_native(spec: ConvSpec, gradient: str, grad_output: torch.Tensor) -> bool:
         """The choice for this gradient (or "both") is native and settled: native runs without the lookups and
-        the drift watch (memoised, see settled_native); what runs is the same."""
-        if torch.compiler.is_compiling() or fixed():
+        the drift watch (memoised, see settled_native); what runs is the same. The fixed mode is asked only on a
+        miss: a remembered answer (from the tune mode) says native, which is what the fixed mode runs anyway."""
+        if dynamo_compiling():  # Dynamo cannot trace the lookup (torch.get_num_threads)
             return False
         memo, known = _lookup(spec, gradient, grad_output)
-        return known or _remembered(memo, spec, lambda: tuning.tunable(grad_output) and _native_settled(
-            _choices.lookup(_key(spec, gradient, grad_output)), grad_output.device))
+        return known or (not fixed() and _remembered(memo, spec, lambda: tuning.tunable(grad_output) and
+                                                     _native_settled(_choices.lookup(_key(spec, gradient, grad_output)),
+                                                                     grad_output.device)))
 
     @staticmethod
     def _tuning(*tensors: torch.Tensor | None) -> bool:

@@ -95,11 +95,24 @@ MAX_SPECS = 4096
 SPECS: dict[tuple[Any, ...], Any] = {}
 
 
+_INT = frozenset((int,))
+_BOOL = frozenset((bool,))
+_ATOMS = (int, str)
+
+
 def memo_key(owner: type, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The ``SPECS`` key of from_shapes's arguments ``(input_shape, weight_shape, stride, padding, dilation,
     transposed, output_padding, groups, fn)``, or None when they must be validated themselves: 1.0 == 1 and
-    True == 1, so only exact types share an entry; a subclass (``owner``) builds its own class."""
-    return (owner, *args) if type(args[5]) is bool and all(map(exact, args[:5] + args[6:])) else None
+    True == 1, so only exact types share an entry (``exact``); a subclass (``owner``) builds its own class.
+
+    Asked on every call of every layer: the common forms (an int or a str, a tuple or torch.Size of ints) are
+    tested by type in C, without a Python call per value; the rest (``(lo, hi)`` pairs) by ``exact``."""
+    if type(args[5]) is not bool:
+        return None
+    for v in args[:5] + args[6:]:
+        if not (type(v) in _ATOMS or (isinstance(v, tuple) and (_INT.issuperset(map(type, v)) or exact(v)))):
+            return None
+    return (owner, *args)
 
 
 def remember(key: tuple[Any, ...], spec: Any) -> None:
@@ -175,6 +188,8 @@ def check_bias_sizes(fn: str, bias_sizes: Any, out_channels: int) -> None:
 
 def check_output_mask(fn: str, output_mask: Any) -> tuple[bool, bool, bool]:
     """output_mask must be three bools (grad_input, grad_weight, grad_bias)."""
+    if type(output_mask) is tuple and len(output_mask) == 3 and _BOOL.issuperset(map(type, output_mask)):
+        return output_mask  # the usual form, tested in C (an isinstance of Sequence runs three Python frames)
     if (not isinstance(output_mask, Sequence) or isinstance(output_mask, str) or len(output_mask) != 3
             or not all(isinstance(m, bool) for m in output_mask)):
         raise ConvgradValueError(

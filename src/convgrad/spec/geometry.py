@@ -39,6 +39,45 @@ class ConvSpec:
     groups: int
     unbatched: bool = False
     fn: str = field(default="convgrad", compare=False, repr=False)
+    # derived values every call reads (the call path, native's forward and backward, the checks): computed once per
+    # spec in __post_init__, so that a read costs an attribute, not a Python frame per dim (validated specs are
+    # memoised, so a layer's calls share one); the properties below name and document them
+    _x_size: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _y_size: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _is_symmetric: bool = field(init=False, repr=False, compare=False)
+    _symmetric_padding: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _aten_args: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool, tuple[int, ...], int] = field(
+        init=False, repr=False, compare=False)
+    _padding_excess: tuple[Pair, ...] = field(init=False, repr=False, compare=False)
+    _input_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _output_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _weight_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.transposed:
+            y_size = self.input_size
+            x_size = tuple(formulation.transposed_output_rows(o, k, s, d, op, pads) for o, k, s, d, op, pads in zip(
+                self.input_size, self.kernel_size, self.stride, self.dilation, self.output_padding, self.padding))
+        else:
+            x_size = self.input_size
+            y_size = tuple(formulation.output_rows(i, k, s, d, pads) for i, k, s, d, pads in zip(
+                self.input_size, self.kernel_size, self.stride, self.dilation, self.padding))
+        symmetric = tuple(min(lo, hi) for lo, hi in self.padding)
+        x_channels, y_channels = ((self.out_channels, self.in_channels) if self.transposed
+                                  else (self.in_channels, self.out_channels))
+        derived = {
+            "_x_size": x_size,
+            "_y_size": y_size,
+            "_is_symmetric": all(lo == hi for lo, hi in self.padding),
+            "_symmetric_padding": symmetric,
+            "_aten_args": (self.stride, symmetric, self.dilation, self.transposed, self.output_padding, self.groups),
+            "_padding_excess": tuple((lo - m, hi - m) for (lo, hi), m in zip(self.padding, symmetric)),
+            "_input_shape": (self.batch, self.in_channels, *self.input_size),
+            "_output_shape": (self.batch, self.out_channels, *(x_size if self.transposed else y_size)),
+            "_weight_shape": (y_channels, x_channels // self.groups, *self.kernel_size),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # frozen: as dataclasses' own __init__ sets fields
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -108,18 +147,12 @@ class ConvSpec:
     @property
     def y_size(self) -> tuple[int, ...]:
         """Spatial extent o of the small side."""
-        if self.transposed:
-            return self.input_size
-        return tuple(formulation.output_rows(i, k, s, d, pads) for i, k, s, d, pads in zip(
-            self.input_size, self.kernel_size, self.stride, self.dilation, self.padding))
+        return self._y_size
 
     @property
     def x_size(self) -> tuple[int, ...]:
         """Spatial extent i of the big side (for a transposed conv, its output size)."""
-        if not self.transposed:
-            return self.input_size
-        return tuple(formulation.transposed_output_rows(o, k, s, d, op, pads) for o, k, s, d, op, pads in zip(
-            self.input_size, self.kernel_size, self.stride, self.dilation, self.output_padding, self.padding))
+        return self._x_size
 
     @property
     def leftover(self) -> tuple[int, ...]:
@@ -141,17 +174,17 @@ class ConvSpec:
     @property
     def input_shape(self) -> tuple[int, ...]:
         """Batched input shape (N, C_in, *input_size)."""
-        return (self.batch, self.in_channels, *self.input_size)
+        return self._input_shape
 
     @property
     def output_shape(self) -> tuple[int, ...]:
         """Batched output shape (N, C_out, *output_size), also the shape of grad_output."""
-        return (self.batch, self.out_channels, *self.output_size)
+        return self._output_shape
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
         """(C_y, C_x/groups, *k): (C_out, C_in/g, *k) forward, (C_in, C_out/g, *k) transposed."""
-        return (self.y_channels, self.x_channels // self.groups, *self.kernel_size)
+        return self._weight_shape
 
     @property
     def x_shape(self) -> tuple[int, ...]:
@@ -171,7 +204,7 @@ class ConvSpec:
     @property
     def is_symmetric(self) -> bool:
         """True when every dim pads equally on both sides (expressible as one int per dim in torch)."""
-        return all(lo == hi for lo, hi in self.padding)
+        return self._is_symmetric
 
     # ---- the pads of the backward formulations -----------------------------------
     @property
@@ -242,19 +275,18 @@ class ConvSpec:
     @property
     def symmetric_padding(self) -> tuple[int, ...]:
         """min(p_lo, p_hi) per dim: the part of the padding torch can express as one int."""
-        return tuple(min(lo, hi) for lo, hi in self.padding)
+        return self._symmetric_padding
 
     @property
     def aten_args(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool, tuple[int, ...], int]:
         """(stride, padding, dilation, transposed, output_padding, groups) as aten.convolution takes them, with
         symmetric_padding (the rest of the padding is applied explicitly, see padding_excess)."""
-        return (self.stride, self.symmetric_padding, self.dilation, self.transposed, self.output_padding,
-                self.groups)
+        return self._aten_args
 
     @property
     def padding_excess(self) -> tuple[Pair, ...]:
         """Padding beyond symmetric_padding on each side, applied explicitly to the big side."""
-        return tuple((lo - m, hi - m) for (lo, hi), m in zip(self.padding, self.symmetric_padding))
+        return self._padding_excess
 
     # ---- polyphase, sub-pixel and space-to-depth geometry ----------------------------
     @property

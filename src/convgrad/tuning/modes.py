@@ -109,12 +109,15 @@ def bucketed(spec: ConvSpec) -> ConvSpec:
 
 
 def threads(like: torch.Tensor) -> int:
-    """The CPU threads a choice on tensors like ``like`` was timed with (0 off the CPU): a key of every choice."""
-    return torch.get_num_threads() if like.device.type == "cpu" else 0
+    """The CPU threads a choice on tensors like ``like`` was timed with (0 off the CPU): a key of every choice.
+
+    ``is_cpu``, not ``device.type``: torch builds that string through a C++ stream on every call, several times the
+    cost of this whole lookup once its cache effects are counted (every call of every auto layer asks)."""
+    return torch.get_num_threads() if like.is_cpu else 0
 
 
 def tunable(*tensors: torch.Tensor) -> bool:
     """Real tensors only: no tuning while compiling, on meta/fake tensors, subclasses, or under vmap or forward AD."""
     if torch.compiler.is_compiling():
         return False
-    return all(plain(t) and t.device.type != "meta" for t in tensors)
+    return all(plain(t) and not t.is_meta for t in tensors)
