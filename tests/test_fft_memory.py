@@ -1,9 +1,10 @@
 """The fft backend's memory (issue 28: each call's peak at most 2x native's for the same layer).
 
 The fast tier checks the plans' arithmetic on every layer of the ``large`` bench suite: a group's kernel spectra are
-held at most a chunk budget at a time. The slow tier measures, at its real size, a call that was over 2x
+held at most a chunk budget at a time. The slow tier measures, at their real sizes, the two calls that were over 2x
 (the torch profiler's peak of live bytes, deterministic whatever the load): wav2vec2.posconv's forward (a group's
-spectra under the old row-slicing trigger, the weight's size).
+spectra under the old row-slicing trigger, the weight's size) and wav2letter.k250s160's gradients (y's spectra of
+every row, and the previous slice's spectra, held while a slice was transformed).
 ``python benchmarks/large_kernels.py --memory-only`` gives the whole suite (benchmarks/results/fft_memory.md).
 """
 
@@ -48,7 +49,8 @@ def bench() -> ModuleType:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, call", [("wav2vec2.posconv", "forward")])
+@pytest.mark.parametrize("name, call", [("wav2vec2.posconv", "forward"), ("wav2letter.k250s160", "grad_input"),
+                                        ("wav2letter.k250s160", "grad_weight"), ("wav2letter.k250s160", "forward")])
 def test_fft_peak_is_at_most_twice_natives(bench: ModuleType, name: str, call: str) -> None:
     """The real layer, float32, 2 threads: fft's peak of live bytes during the call is at most 2x native's."""
     threads = torch.get_num_threads()
