@@ -10,7 +10,11 @@ allocator during one backward by native, fft and auto (the torch profiler's memo
 
     PYTHONPATH=src python benchmarks/large_kernels.py --threads 2 [--layers 'replknet*' ...] [--min-time 0.5]
 
-Prints a markdown table; ``--out FILE`` also writes it with the command line.
+Prints a markdown table; ``--out FILE`` also writes it with the command line. ``--memory-only`` times nothing: per
+layer, the peaks of fft's forward, grad_input and grad_weight, each call alone, against native's (issue 28's target:
+each at most 2x native's), in ``benchmarks/results/fft_memory.md``:
+
+    PYTHONPATH=src python benchmarks/large_kernels.py --memory-only --out benchmarks/results/fft_memory.md
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import shlex
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -160,24 +164,52 @@ HEADER = ("| layer | native fwd ms | native bwd ms | fft fwd x native | fft bwd 
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+CALLS = ("forward", "grad_input", "grad_weight")
+
+
+def memory(spec: ConvSpec, which: Sequence[str] = CALLS) -> dict[str, tuple[int, int]]:
+    """Per call of ``which`` (of CALLS), the peak bytes of native's and of fft's, each call alone (``peak_bytes``; the
+    tensors it is given are allocated before and do not count)."""
+    x, w, gy = (torch.randn(s) for s in (spec.input_shape, spec.weight_shape, spec.output_shape))
+    native, fft = get_backend("native"), get_backend("fft")
+    calls = {"forward": (lambda: native_forward(spec, x, w, None), lambda: fft.forward(spec, x, w)),  # type: ignore[attr-defined]
+             "grad_input": (lambda: native.input_grad(spec, w, gy), lambda: fft.input_grad(spec, w, gy)),
+             "grad_weight": (lambda: native.weight_grad(spec, x, gy), lambda: fft.weight_grad(spec, x, gy))}
+    return {k: (peak_bytes(calls[k][0]), peak_bytes(calls[k][1])) for k in which}
+
+
+def _memory_row(name: str, peaks: dict[str, tuple[int, int]]) -> str:
+    cells = [f"{n / 2**20:.2f} | {f / 2**20:.2f} | {f / n:.2f}" for n, f in (peaks[k] for k in CALLS)]
+    return f"| {name} | " + " | ".join(cells) + f" | {max(f / n for n, f in peaks.values()):.2f} |"
+
+
+MEMORY_HEADER = ("| layer | forward native MiB | forward fft MiB | forward fft x native | grad_input native MiB | "
+                 "grad_input fft MiB | grad_input fft x native | grad_weight native MiB | grad_weight fft MiB | "
+                 "grad_weight fft x native | worst x native |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", nargs="+", metavar="PATTERN")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per timing (default 0.3)")
     p.add_argument("--out", type=Path)
+    p.add_argument("--memory-only", action="store_true",
+                   help="no timing: the peak memory of fft's forward, grad_input and grad_weight against native's")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    lines = [HEADER]
-    print(HEADER, flush=True)
+    lines = [MEMORY_HEADER if args.memory_only else HEADER]
+    print(lines[0], flush=True)
     for layer in select("large", args.layers):
-        line = _row(measure(layer, args.min_time))
+        line = (_memory_row(layer.name, memory(layer.spec())) if args.memory_only
+                else _row(measure(layer, args.min_time)))
         lines.append(line)
         print(line, flush=True)
     if args.out:
         command = "PYTHONPATH=src python " + shlex.join(["benchmarks/large_kernels.py", *(argv or sys.argv[1:])])
-        args.out.write_text(f"`{command}` (threads={args.threads}; noisy: a shared machine)\n\n" + "\n".join(lines)
-                            + "\n")
+        note = ("peak of live bytes in PyTorch's CPU allocator during one call, float32 (the torch profiler's memory "
+                "events): independent of the load" if args.memory_only else "noisy: a shared machine")
+        args.out.write_text(f"`{command}` (threads={args.threads}; {note})\n\n" + "\n".join(lines) + "\n")
     return 0
 
 

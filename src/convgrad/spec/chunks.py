@@ -91,29 +91,29 @@ def chunk_ranges(total: int, step: int) -> list[tuple[int, int]]:
     return [(j, min(j + step, total)) for j in range(0, total, step)]
 
 
-def fft_kernel_rows(sizes: tuple[int, ...], a: int, b: int, batch: int, budget: int, kernel_budget: int
-                    ) -> tuple[int, int]:
+def fft_kernel_rows(sizes: tuple[int, ...], a: int, b: int, batch: int, budget: int) -> tuple[int, int]:
     """(rows, samples) per chunk of the FFT backend: how many of one group's ``a`` kernel rows (y channels) have
     their spectra in memory at once, and how many samples then.
 
     One group's kernel spectra hold ``a * b`` complex bins per frequency, ``F = prod(sizes[:-1]) *
-    (sizes[-1] // 2 + 1)`` frequencies of a real transform of ``sizes``. When they fit ``kernel_budget`` reals, all
-    ``a`` rows and the whole ``batch`` (the chunking over groups and samples, ``fft_chunks``, decides alone);
-    else as many rows as fit ``budget`` (at least 1, split evenly), and as many samples as fit it with their
-    spectra of x and of y's rows in the slice, ``(rows + b)`` per frequency (at least 1): x's spectra are
-    transformed again for every slice unless the batch is one chunk. A dense layer (one group) thus holds a slice
-    of its kernel spectra at a time, not all of them.
+    (sizes[-1] // 2 + 1)`` frequencies of a real transform of ``sizes``. When they fit ``budget`` reals, all ``a``
+    rows and the whole ``batch`` (the chunking over groups and samples, ``fft_chunks``, decides alone); else as many
+    rows as fit ``budget`` (at least 1, split evenly), and as many samples as fit it with their spectra of x and of
+    y's rows in the slice, ``(rows + b)`` per frequency (at least 1): x's spectra are transformed again for every
+    slice unless the batch is one chunk. A grouped or dense layer thus holds a slice of a group's kernel spectra at
+    a time, never more than one chunk's budget: the weight's own size is no bound, since a call's peak does not
+    count the weight it is given (wav2vec2.posconv's forward: a group's spectra 1.7x its output, the weight 6x).
 
     Examples:
-        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=1000, kernel_budget=400)  # 8 * 4 * 12 = 384 fit
+        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=400)  # 8 * 4 * 12 = 384 fit
         (8, 3)
-        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=200, kernel_budget=200)  # 4 rows of 48 = 192
+        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=200)  # 4 rows of 48 = 192
         (4, 2)
-        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=100, kernel_budget=300)  # 2 rows of 48 = 96
+        >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=100)  # 2 rows of 48 = 96
         (2, 1)
     """
     bins = 2 * math.prod(sizes[:-1]) * (sizes[-1] // 2 + 1)
-    if a * b * bins <= kernel_budget:
+    if a * b * bins <= budget:
         return a, max(batch, 1)
     rows = equal_chunk(a, max(1, budget // (b * bins)))
     return rows, max(1, min(max(batch, 1), budget // ((rows + b) * bins)))

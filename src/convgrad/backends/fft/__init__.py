@@ -19,7 +19,7 @@ rows (``ConvSpec.fft_phases``; the docs' "Derivation" page).
 A gradient is a plan (``plan``: shapes only, the steps ``explain`` shows) run by ``execute``. Work is chunked
 over groups and samples (``ConvSpec.fft_chunks``) so that one chunk's spectra hold about a quarter of the
 layer's own input and grad_output in reals, and a dense layer's kernel spectra a slice of rows at a time
-(``spec.chunks.fft_kernel_rows``: no more than the weight's own size). Every op is differentiable (pad,
+(``spec.chunks.fft_kernel_rows``: no more than one chunk's budget). Every op is differentiable (pad,
 index_select, rfftn, products, irfftn, slicing), so gradients of any order come from autograd. Half precision
 is computed in float32.
 

@@ -2,8 +2,9 @@
 
 Per chunk: the phases of x (or y) transformed, the kernel spectra of the chunk's groups, the per-bin product,
 the inverse transform and the crop, written into the result. A dense layer's kernel spectra are held a slice of
-rows (y channels) at a time (``FftPlan.row_chunk``): y's rows computed per slice, x's sums accumulated over them,
-the weight's rows inverted per slice.
+rows (y channels) at a time (``FftPlan.row_chunk``): y's rows computed per slice, x's sums accumulated over them
+(from the spectra of y's rows in the slice alone), the weight's rows inverted per slice. A slice's or a sample
+chunk's spectra are locals of ``_x_term``/``_w_term``: none outlives its term into the next one's transforms.
 """
 
 from __future__ import annotations
@@ -122,6 +123,19 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor, real: bool) -> torch
     return out.tensor  # (N, C_y, *o)
 
 
+def _x_term(p: FftPlan, y: torch.Tensor, kernel: torch.Tensor, whole: torch.Tensor | None,
+            at: tuple[int, int, int, int, int, int], real: bool) -> torch.Tensor:
+    """One slice's term of x's spectra, sum_a Y[n, a] W[a, b] over kernel rows r0:r1 of groups g0:g1, samples n0:n1
+    (``at``): (n', g', B, F). Only the slice's rows of y are transformed, and its spectra die with the call: a sliced
+    plan holds one slice of y's and of the kernel's spectra at a time (issue 28's memory target)."""
+    n0, n1, g0, g1, r0, r1 = at
+    a = p.group_channels[0]
+    part = sliced(y, [slice(n0, n1), slice(g0 * a + r0, g1 * a - (a - r1))], 0)  # (n', g'*r', *o)
+    yf = tf.forward_transform(part, p.sizes).reshape(n1 - n0, g1 - g0, r1 - r0, -1)  # (n', g', r', F)
+    wf = _kernel_bins(p, kernel, g0, g1, r0, r1, False, real) if whole is None else whole  # (g', r', B, F)
+    return tf.x_bins(yf, wf)  # (n', g', B, F)
+
+
 def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor, real: bool) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
     a, b0, b = p.group_channels
@@ -129,15 +143,12 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor, real: bool) -> torch
     out = _Output(spec.x_shape, _several(p), y, w)
     for g0, g1, whole in _group_chunks(p, kernel, False, real):
         for n0, n1 in chunk_ranges(spec.batch, p.chunks[1]):
-            yf = tf.forward_transform(sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0), sizes)  # (n', g'*A, *bins)
-            bins = yf.shape[2:]
-            yf = yf.reshape(n1 - n0, g1 - g0, a, -1)  # (n', g', A, F)
             xf: torch.Tensor | None = None
             for r0, r1 in chunk_ranges(a, p.row_chunk):  # X[n, b] = sum over the row chunks of sum_a Y[n, a] W[a, b]
-                wf = _kernel_bins(p, kernel, g0, g1, r0, r1, False, real) if whole is None else whole
-                term = tf.x_bins(sliced(yf, [slice(r0, r1)], 2), wf)  # (n', g', B, F)
+                term = _x_term(p, y, kernel, whole, (n0, n1, g0, g1, r0, r1), real)  # (n', g', B, F)
                 xf = term if xf is None else xf + term
-            xs = tf.inverse_transform(xf.reshape(n1 - n0, (g1 - g0) * b, *bins), sizes, real)  # type: ignore[union-attr]  # (n', g'*B, *L)
+                del term  # not held while the next slice's spectra are made
+            xs = tf.inverse_transform(xf.reshape(n1 - n0, (g1 - g0) * b, *p.bins(real)), sizes, real)  # type: ignore[union-attr]  # (n', g'*B, *L)
             out.put(n0, n1, g0 * b0, g1 * b0, tf.from_phases(xs, dims, spec.stride, (g1 - g0) * b0))  # (n', g'*B0, *i)
     return out.tensor  # (N, C_x, *i)
 
@@ -149,9 +160,21 @@ def _x_bins(p: FftPlan, x: torch.Tensor, n0: int, n1: int, g0: int, g1: int) -> 
     return xf.reshape(n1 - n0, g1 - g0, p.group_channels[2], -1)  # (n', g', B, F)
 
 
+def _w_term(p: FftPlan, x: torch.Tensor, y: torch.Tensor, whole: torch.Tensor | None,
+            at: tuple[int, int, int, int, int, int], real: bool) -> torch.Tensor:
+    """One sample chunk's term of the weight's spectra, sum_n ~Y[n, a] X[n, b] over samples n0:n1 of kernel rows
+    r0:r1 of groups g0:g1 (``at``): (g', r', B, F). x's (unless ``whole``) and y's spectra die with the call."""
+    n0, n1, g0, g1, r0, r1 = at
+    a = p.group_channels[0]
+    xf = _x_bins(p, x, n0, n1, g0, g1) if whole is None else whole  # (n', g', B, F)
+    part = sliced(y, [slice(n0, n1), slice(g0 * a + r0, g1 * a - (a - r1))], 0)  # (n', g'*r', *o)
+    yf = tf.reversed_spectrum(tf.forward_transform(part, p.sizes), p.spec.n, real)  # (n', g'*r', *bins)
+    return tf.w_bins(xf, yf.reshape(n1 - n0, g1 - g0, r1 - r0, -1))  # (g', r', B, F)
+
+
 def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor, real: bool) -> torch.Tensor:
     spec, dims, sizes = p.spec, p.dims, p.sizes
-    (a, b0, b), nd = p.group_channels, spec.n
+    a, b0, b = p.group_channels
     q = tuple(d.taps for d in dims)
     parts = []
     sample_ranges = chunk_ranges(spec.batch, p.chunks[1])
@@ -163,15 +186,11 @@ def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor, real: bool) -> torc
             whole = whole.permute(1, 3, 0, 2).contiguous().permute(2, 0, 3, 1)  # (n, g', B, F)
         for r0, r1 in row_ranges:
             acc: torch.Tensor | None = None
-            bins: tuple[int, ...] = ()
             for n0, n1 in sample_ranges:
-                xf = _x_bins(p, x, n0, n1, g0, g1) if whole is None else whole  # (n', g', B, F)
-                part = sliced(y, [slice(n0, n1), slice(g0 * a + r0, g1 * a - (a - r1))], 0)  # (n', g'*r', *o)
-                yf = tf.reversed_spectrum(tf.forward_transform(part, sizes), nd, real)  # (n', g'*r', *bins)
-                bins = tuple(yf.shape[2:])
-                term = tf.w_bins(xf, yf.reshape(n1 - n0, g1 - g0, r1 - r0, -1))  # (g', r', B, F)
+                term = _w_term(p, x, y, whole, (n0, n1, g0, g1, r0, r1), real)  # (g', r', B, F)
                 acc = term if acc is None else acc + term
-            wf = acc.reshape((g1 - g0) * (r1 - r0), b, *bins)  # type: ignore[union-attr]  # (g'*r', B, *bins)
+                del term  # not held while the next sample chunk's spectra are made
+            wf = acc.reshape((g1 - g0) * (r1 - r0), b, *p.bins(real))  # type: ignore[union-attr]  # (g'*r', B, *bins)
             parts.append(tf.first_rows(tf.inverse_transform(wf, sizes, real), q).contiguous())  # (g'*r', B, *Q)
     wp = torch.cat(parts, 0) if len(parts) > 1 else parts[0]  # (C_y, B, *Q)
     return tf.read_taps(wp, dims, b0)  # (C_y, C_x/g, *k)

@@ -67,6 +67,10 @@ class FftPlan:
     def sizes(self) -> Shape:
         return tuple(d.size for d in self.dims)
 
+    def bins(self, real: bool) -> Shape:
+        """The frequency bins of a transform of ``sizes``: the last dim halved (+1) for real data (rfftn)."""
+        return (*self.sizes[:-1], self.sizes[-1] // 2 + 1) if real else self.sizes
+
     @property
     def group_channels(self) -> tuple[int, int, int]:
         """(A, B0, B): y channels per group, x channels per group, and x channels per group times the live phases."""
@@ -109,10 +113,9 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     budget = max(CHUNK_MIN_REALS, spec.side_elements // 4)
     chunks = spec.fft_chunks(p, budget)
     a, b = spec.y_channels // spec.groups, spec.x_channels // spec.groups * p
-    # a group's kernel spectra beyond the weight's own size (a dense layer's: C_y (C_x/g) P F complex) are held a
-    # slice of rows at a time, so that fft's peak stays near native's (issue 28's memory target)
-    rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget,
-                                    max(budget, math.prod(spec.weight_shape)))
+    # a group's kernel spectra over the chunk budget (C_y/g (C_x/g) P F complex) are held a slice of rows at a time,
+    # so that fft's peak stays near native's (issue 28's memory target)
+    rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
     if rows < a:
         chunks = (1, samples)
     return FftPlan(gradient, spec, kind, dims, chunks, _steps(spec, kind, dims, p), rows=rows)

@@ -1,0 +1,62 @@
+"""The fft backend's memory (issue 28: each call's peak at most 2x native's for the same layer).
+
+The fast tier checks the plans' arithmetic on every layer of the ``large`` bench suite: a group's kernel spectra are
+held at most a chunk budget at a time. The slow tier measures, at their real sizes, the two calls that were over 2x
+(the torch profiler's peak of live bytes, deterministic whatever the load): wav2vec2.posconv's forward (a group's
+spectra under the old row-slicing trigger, the weight's size) and wav2letter.k250s160's gradients (y's spectra of
+every row, and the previous slice's spectra, held while a slice was transformed).
+``python benchmarks/large_kernels.py --memory-only`` gives the whole suite (benchmarks/results/fft_memory.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from convgrad.backends import fft
+from convgrad.backends.fft import plans as fft_plans
+from convgrad.cli.bench.layers import select
+
+LARGE = {layer.name: layer.spec() for layer in select("large", None)}
+GRADIENTS = ("output", "grad_input", "grad_weight")
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_fft_holds_at_most_a_chunk_budget_of_one_groups_kernel_spectra(name: str) -> None:
+    """Every plan of the large suite holds at most ``budget`` reals of a group's kernel spectra at once, or one row
+    (the least it can). wav2vec2.posconv (48 x 48 channels per group, 576 bins) held all 1.33M reals of a group with a
+    budget of 384k, since they fit the weight's size: its forward peaked at 3.15x native's."""
+    spec = LARGE[name]
+    budget = max(fft_plans.CHUNK_MIN_REALS, spec.side_elements // 4)
+    for gradient in GRADIENTS:
+        p = fft.plan(spec, gradient)
+        held = p.row_chunk * p.group_channels[2] * 2 * math.prod(p.bins(True))
+        assert held <= budget or p.row_chunk == 1, (gradient, p.row_chunk, held, budget)
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "large_kernels.py"
+    spec = importlib.util.spec_from_file_location("large_kernels_bench", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, call", [("wav2vec2.posconv", "forward"), ("wav2letter.k250s160", "grad_input"),
+                                        ("wav2letter.k250s160", "grad_weight"), ("wav2letter.k250s160", "forward")])
+def test_fft_peak_is_at_most_twice_natives(bench: ModuleType, name: str, call: str) -> None:
+    """The real layer, float32, 2 threads: fft's peak of live bytes during the call is at most 2x native's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native, ours = bench.memory(LARGE[name], (call,))[call]
+    finally:
+        torch.set_num_threads(threads)
+    assert ours <= 2 * native, f"{name} {call}: fft {ours / 2**20:.2f} MiB, native {native / 2**20:.2f} MiB"
