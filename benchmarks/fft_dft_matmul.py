@@ -16,22 +16,12 @@ import argparse
 import math
 import shlex
 import sys
-import time
 from collections.abc import Callable
 
 import torch
+from fft_sizes import cpu_time
 
 SIZES = (8, 10, 12, 16, 20, 24, 30, 32, 40, 48, 64)
-
-
-def cpu_time(f: Callable[[], object], reps: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.process_time()
-        f()
-        best = min(best, time.process_time() - start)
-    return best
 
 
 def dft_matmul(x: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -226,13 +226,15 @@ def test_fft_phases_reduce_to_stride_phases_with_dilation_1() -> None:
             assert tuple(f[1:4] for f in spec.fft_phases) == spec.stride_phases, str(case)
 
 
-def test_smooth_size_is_the_smallest_5_smooth_not_below_n() -> None:
-    def smooth(m: int) -> bool:
-        for p in (2, 3, 5):
-            while m % p == 0:
-                m //= p
-        return m == 1
+def smooth(m: int) -> bool:
+    """Whether m has no prime factor above 5 (written out here, independent of spec's own rule)."""
+    for p in (2, 3, 5):
+        while m % p == 0:
+            m //= p
+    return m == 1
 
+
+def test_smooth_size_is_the_smallest_5_smooth_not_below_n() -> None:
     for n in range(1, 400):
         want = next(m for m in range(n, 4 * n) if smooth(m))
         assert smooth_size(n) == want, n
@@ -240,12 +242,6 @@ def test_smooth_size_is_the_smallest_5_smooth_not_below_n() -> None:
 
 def test_fft_size_is_the_smallest_even_5_smooth_not_below_n() -> None:
     """Odd real-transform lengths cost twice as much per point (benchmarks/results/fft_sizes.md): 45 -> 48, 81 -> 90."""
-    def smooth(m: int) -> bool:
-        for p in (2, 3, 5):
-            while m % p == 0:
-                m //= p
-        return m == 1
-
     for n in range(1, 400):
         want = next(m for m in range(n, 4 * n) if smooth(m) and (m % 2 == 0 or m == 1))
         assert fft_size(n) == want, n
