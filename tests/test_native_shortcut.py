@@ -257,6 +257,33 @@ def test_module_memo_under_no_weight_gradients_and_auto_modes(tuning: Any) -> No
     assert TORCH_NODE in graph_node_names(m(x))
 
 
+def test_module_memo_of_auto_follows_threads_clear_and_every_mode_change(tuning: Any) -> None:
+    """auto's answer is memoised per module: a change of torch.get_num_threads() (a key of every choice), auto.clear()
+    and a setting of the mode (fixed -> tune) must each be seen by the next call. Mutants: the thread count left out
+    of memoised's check fails the thread step; Store.clear without bump() the clear step; set_mode without bump()
+    the mode step."""
+    m = cg.nn.Conv2d(4, 4, 3, dtype=F64)
+    x = _X.clone().requires_grad_()
+    m(x).sum().backward()  # tunes (native, the only candidate): settled
+    assert TORCH_NODE in graph_node_names(m(x)) and TORCH_NODE in graph_node_names(m(x))  # the memo serves
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert OUR_NODE in graph_node_names(m(x))  # nothing tuned for this thread count
+    finally:
+        torch.set_num_threads(threads)
+    assert TORCH_NODE in graph_node_names(m(x))
+    auto.clear()
+    assert OUR_NODE in graph_node_names(m(x))  # forgotten: tuned again
+    m(x).sum().backward()
+    assert TORCH_NODE in graph_node_names(m(x))
+    auto.clear()
+    with auto.tuning_mode("fixed"):
+        assert TORCH_NODE in graph_node_names(m(x))  # fills the memo in fixed mode
+        assert TORCH_NODE in graph_node_names(m(x))
+    assert OUR_NODE in graph_node_names(m(x))  # tune mode again, nothing tuned: the fixed memo does not serve
+
+
 def test_module_memo_does_not_serve_a_jit_trace() -> None:
     """A module whose memo an eager call filled is traced afterwards: the trace records the Function, so that
     no_weight_gradients still acts on the traced graph. Mutant: memoised without its tracing check fails it."""
@@ -295,14 +322,15 @@ def test_module_memo_does_not_serve_under_compile_nor_export() -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("backend, extra", [("native", 7), ("auto", 9)])
+@pytest.mark.parametrize("backend, extra", [("native", 7), ("auto", 7)])
 def test_a_memoised_module_call_adds_few_python_frames_to_torchs(backend: str, extra: int) -> None:
     """Forward + backward of a drop-in layer whose memo serves, against torch.nn.Conv2d's (issue 25, item 11): the
     memo check (memoised, torch.compiler.is_dynamo_compiling, memo_key), torch_conv, and the no_weight_gradients
-    node hook (torch's _register_hook and RemovableHandle.__init__, drop_weight_gradient): 7; auto adds its state
-    (memo_state, fixed): 9, at most (torch < 2.3, without is_dynamo_compiling, runs one more: is_scripting).
-    Mutants: the drop-in forward through torch's forward again (super().forward); the memo's compile check by
-    torch.compiler.is_compiling again (one frame more): each fails it."""
+    node hook (torch's _register_hook and RemovableHandle.__init__, drop_weight_gradient): 7; auto's state is read
+    inline (tuning.modes.generation, torch.get_num_threads), no frame more: 7 (9 before), at most (torch < 2.3,
+    without is_dynamo_compiling, runs one more: is_scripting). Mutants: the drop-in forward through torch's forward
+    again (super().forward); the memo's compile check by torch.compiler.is_compiling again (one frame more); the
+    memo's auto check by auto.memo_state() again: each fails it."""
     torch.manual_seed(0)
     x = torch.randn(1, 8, 10, 10, requires_grad=True)
     ref = torch.nn.Conv2d(8, 8, 1, stride=2)

@@ -14,6 +14,7 @@ from convgrad.backends.auto import fixed as auto_fixed
 from convgrad.backends.auto import memo_state as auto_memo_state
 from convgrad.backends.auto import settled_native as auto_settled_native
 from convgrad.spec import ConvSpec
+from convgrad.tuning import modes as tuning_modes
 
 __all__ = ["PARAMETER_TYPES", "CallMemo", "auto_state", "drop_weight_gradient", "memo_key", "memoised",
            "native_throughout", "torch_conv"]
@@ -116,6 +117,8 @@ def auto_state(backend: str) -> tuple[Any, ...] | None:
 _is_compiling = auto_dynamo_compiling
 _is_tracing = torch._C._is_tracing
 _autocast_enabled = torch._C._is_any_autocast_enabled
+# auto's memo_state inline (a call of it costs a Python frame on every call of every auto layer): same two values
+_get_num_threads = torch.get_num_threads
 
 
 def memoised(memo: CallMemo, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -125,7 +128,7 @@ def memoised(memo: CallMemo, input: torch.Tensor, weight: torch.Tensor, bias: to
             or _is_tracing()):
         return None
     if (not all(map(operator.is_, memo.hyper, hyper)) or memo_key(input, weight, bias) != memo.key
-            or (backend == "auto" and auto_memo_state() != memo.auto)):
+            or (backend == "auto" and (tuning_modes.generation, _get_num_threads()) != memo.auto)):
         return None
     try:
         return torch_conv(memo.spec, input, weight, bias, memo.args)

@@ -197,10 +197,11 @@ def changes() -> int:
     return _choices.changes
 
 
-def memo_state() -> tuple[int, int] | None:
-    """What a caller's memo of ``settled_native`` answers depends on beyond its call: None in fixed mode (every
-    answer is native), else ``changes()`` and the thread count (a key of every choice). One call per memo check."""
-    return None if fixed() else (_choices.changes, torch.get_num_threads())
+def memo_state() -> tuple[int, int]:
+    """What a caller's memo of ``settled_native`` answers depends on beyond its call: ``tuning.modes.generation``
+    (moved by every setting of the mode, every change of a choice and ``clear``) and the thread count (a key of every
+    choice). A memo filled in one mode never serves in another; in fixed mode a thread change costs one miss."""
+    return tuning.modes.generation, torch.get_num_threads()
 
 
 def _forward_candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:

@@ -21,11 +21,20 @@ from convgrad.tensor_ops import plain
 if TYPE_CHECKING:  # a spec is only passed through: tuning sits beside spec, not above it
     from convgrad.spec import ConvSpec
 
-__all__ = ["MODES", "batch_bucket", "bucketed", "fixed", "get_mode", "set_mode", "threads", "tunable",
-           "tuning_mode"]
+__all__ = ["MODES", "batch_bucket", "bucketed", "bump", "fixed", "generation", "get_mode", "set_mode", "threads",
+           "tunable", "tuning_mode"]
 
 MODES = ("tune", "fixed")
 _mode: str | None = None  # None: not read from the environment yet
+# bumped by every setting of the mode and every change of a measured choice (``bump``): a per-call memo of what
+# they decide keys on this one int (read as ``modes.generation``) instead of calling in for the mode and the choices
+generation = 0
+
+
+def bump() -> None:
+    """Mark every memo of the mode or of a measured choice stale (``generation`` moves)."""
+    global generation
+    generation += 1
 
 
 def set_mode(mode: str) -> str:
@@ -52,6 +61,7 @@ def set_mode(mode: str) -> str:
     if mode not in MODES:
         raise ConvgradValueError(f"set_mode: mode={mode!r} must be one of {MODES}")
     previous, _mode = get_mode(), mode
+    bump()
     return previous
 
 
@@ -63,6 +73,7 @@ def get_mode() -> str:
         if env not in MODES:
             raise ConvgradValueError(f"convgrad: CONVGRAD_AUTOTUNE={env!r} must be one of {MODES}")
         _mode = env
+        bump()
     return _mode
 
 

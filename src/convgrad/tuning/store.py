@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from convgrad.tuning.modes import bump
 from convgrad.tuning.tuner import Choice, Exploration, Result, timed
 
 __all__ = ["ANCHOR", "DRIFT", "DRIFT_CALLS", "DRIFT_MIN_S", "FORMAT", "MAX_RETUNES", "Store", "cache_path", "clear",
@@ -127,18 +128,22 @@ class Store(dict[Hashable, Choice]):
 
     def __setitem__(self, key: Hashable, choice: Choice) -> None:
         self.changes += 1
+        bump()
         super().__setitem__(key, choice)
 
     def __delitem__(self, key: Hashable) -> None:
         self.changes += 1
+        bump()
         super().__delitem__(key)
 
     def pop(self, key: Hashable, *default: Any) -> Any:
         self.changes += 1
+        bump()
         return super().pop(key, *default)
 
     def clear(self) -> None:
         self.changes += 1
+        bump()
         super().clear()
 
     def lookup(self, key: Hashable) -> Choice | None:
