@@ -289,7 +289,9 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     known = _choices.lookup(key)
     if known is None:
         cands = _forward_candidates(spec, input)
-        if not cands:
+        if not cands:  # nothing to race; remembered, so that the cost models are not asked again on every call
+            known = Choice("native", {}, (), spec.batch)
+            _choices.remember(key, known)
             return native_forward(spec, input, weight, bias)
         options: dict[str, Callable[[int], torch.Tensor]] = {
             "native": lambda m: native_forward(_sub(spec, m), _head(input, m), weight, None)}
