@@ -348,9 +348,10 @@ def test_auto_runs_the_forward_through_fft_on_a_large_kernel_and_native_on_3x3(m
 
 def test_auto_forward_with_no_candidate_asks_the_cost_models_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where no backend but native may serve the forward (here a strided 1d layer whose 250 taps fft's cost model
-    judges, wav2letter's front end in small), auto remembers native: the candidates' cost models run on the first
+    judges, wav2letter's front end in small), auto remembers that: the candidates' cost models run on the first
     call, not on every call (each asked fft_phases of 250 taps: on a 3 ms layer auto's forward ran at 0.77x native,
-    benchmarks/results/large_kernels.md)."""
+    benchmarks/results/large_kernels.md). Nothing is stored as a choice (no measurement was made), and a clear of the
+    choices asks again."""
     asked: list[ConvSpec] = []
     backend = get_backend("fft")
     original = backend.can_serve
@@ -362,7 +363,13 @@ def test_auto_forward_with_no_candidate_asks_the_cost_models_once(monkeypatch: p
             spec = ConvSpec.from_shapes(tuple(x.shape), tuple(w.shape), stride=160)
             assert torch.equal(auto.forward(spec, x, w, None), torch.nn.functional.conv1d(x, w, stride=160))
         assert len(asked) == 1, asked
-        assert auto.chosen(spec, "forward", x).backend == "native"
+        assert auto.chosen(spec, "forward", x) is None
+        other = ConvSpec.from_shapes(tuple(x.shape), tuple(w.shape), stride=150)
+        auto.forward(other, x, w, None)
+        auto.clear()  # every layer is asked again after a clear, whichever comes first
+        auto.forward(other, x, w, None)
+        auto.forward(spec, x, w, None)
+        assert len(asked) == 4, asked
         auto.clear()
 
 

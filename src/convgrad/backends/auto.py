@@ -278,6 +278,12 @@ def _forward_of(backend: Backend, spec: ConvSpec, input: torch.Tensor, weight: t
     return backend.forward(_sub(spec, m), _head(input, m), weight)  # type: ignore[attr-defined, no-any-return]
 
 
+# Forward keys that no backend but native may serve (their cost models said so once): not a measured choice, so
+# neither stored nor written to the cache file; forgotten when a choice or the mode changes (tuning.modes.generation)
+_native_only: set[Key] = set()
+_native_only_at = -1
+
+
 def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The convolution itself through the backend tuned for it (``convgrad.conv*``, the nn modules and ``patch``
     with backend="auto"): native, or a candidate with a ``forward`` (fft) where its ``can_serve`` lets it in, tuned,
@@ -288,10 +294,15 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     key = _key(spec, "forward", input)
     known = _choices.lookup(key)
     if known is None:
+        global _native_only_at
+        if _native_only_at != tuning.modes.generation:
+            _native_only.clear()
+            _native_only_at = tuning.modes.generation
+        elif key in _native_only:
+            return native_forward(spec, input, weight, bias)
         cands = _forward_candidates(spec, input)
-        if not cands:  # nothing to race; remembered, so that the cost models are not asked again on every call
-            known = Choice("native", {}, (), spec.batch)
-            _choices.remember(key, known)
+        if not cands:
+            _native_only.add(key)
             return native_forward(spec, input, weight, bias)
         options: dict[str, Callable[[int], torch.Tensor]] = {
             "native": lambda m: native_forward(_sub(spec, m), _head(input, m), weight, None)}
