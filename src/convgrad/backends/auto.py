@@ -205,8 +205,11 @@ def memo_state() -> tuple[int, int]:
 
 
 def _forward_candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
-    """The candidates with a forward of their own (fft) that may differ from native here."""
-    return [b for b in candidates(spec, like) if b.name != "native" and hasattr(b, "forward")]
+    """The candidates with a forward of their own (fft, fwdconv's padded input) that may differ from native here:
+    a backend's ``can_serve_forward`` where it has one (fwdconv is raced for the gradients everywhere, its forward
+    only where a large padding sends native to a slower kernel), else its ``can_serve``."""
+    return [b for b in candidates(spec, like) if b.name != "native" and hasattr(b, "forward")
+            and getattr(b, "can_serve_forward", b.can_serve)(spec, like)]
 
 
 # Positive answers of settled_native and of "is the choice for this gradient a settled native": a memo key ->
@@ -286,9 +289,10 @@ _native_only_at = -1
 
 def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The convolution itself through the backend tuned for it (``convgrad.conv*``, the nn modules and ``patch``
-    with backend="auto"): native, or a candidate with a ``forward`` (fft) where its ``can_serve`` lets it in, tuned,
-    cached and settled like a gradient, native kept unless beaten by ``PREFER_NATIVE``. Native when tuning is off or
-    the tensors cannot be timed (compiling, vmap, forward AD, meta)."""
+    with backend="auto"): native, or a candidate with a ``forward`` (fft; fwdconv's, on the input padded beforehand)
+    where its rule lets it in (``_forward_candidates``), tuned, cached and settled like a gradient, native kept
+    unless beaten by ``PREFER_NATIVE``. Native when tuning is off or the tensors cannot be timed (compiling, vmap,
+    forward AD, meta)."""
     if torch.compiler.is_compiling() or get_mode() == "fixed" or not tuning.tunable(input, weight):
         return native_forward(spec, input, weight, bias)
     key = _key(spec, "forward", input)

@@ -14,6 +14,9 @@ Work happens in two steps. ``plan_input_grad(spec)`` / ``plan_weight_grad(spec)`
 on shapes only. ``execute(plan, data, kernel)`` runs it on tensors. ``convgrad.explain`` renders the very same
 Plan objects, each step through its own ``describe``, ``label``, ``code`` and geometry (geometry.py), so what
 is explained is what runs. Every step is a differentiable torch op, so gradients of any order come from autograd.
+
+The forward (forward.py), which auto races against native's where ``worth_padding`` admits it: torch's own
+convolution on the input padded here, with padding 0 (on the CPU, oneDNN's jit kernels refuse large paddings).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from convgrad.backends import Backend, register
 from convgrad.backends.fwdconv.contractions import Conv, MatMul, PhaseConvs
+from convgrad.backends.fwdconv.forward import padded_forward, worth_padding
 from convgrad.backends.fwdconv.grad_input import INPUT_METHODS, plan_forward, plan_input_grad
 from convgrad.backends.fwdconv.grad_weight import (
     WEIGHT_METHODS,
@@ -45,7 +49,8 @@ from convgrad.spec import ConvSpec
 
 __all__ = ["INPUT_METHODS", "WEIGHT_METHODS", "BatchFold", "Contraction", "Conv", "Flip", "FwdConvBackend", "MatMul",
            "Pad", "PhaseConvs", "Plan", "Step", "SwapBatchChannels", "SwapGroupChannels", "ZeroInsert", "execute",
-           "pad_or_fold", "plan_forward", "plan_input_grad", "plan_per_sample_weight_grad", "plan_weight_grad"]
+           "pad_or_fold", "padded_forward", "plan_forward", "plan_input_grad", "plan_per_sample_weight_grad",
+           "plan_weight_grad", "worth_padding"]
 
 
 def _planned(planner: Any, spec: ConvSpec, *method: str | None) -> Plan:
@@ -72,3 +77,13 @@ class FwdConvBackend(Backend):
         input = input.conj()  # torch's complex convention, as in input_grad
         x, y = (grad_output, input) if spec.transposed else (input, grad_output)
         return execute(_planned(plan_weight_grad, spec, im2col_weight_method(spec, grad_output)), x, y)
+
+    @staticmethod
+    def can_serve_forward(spec: ConvSpec, like: torch.Tensor) -> bool:
+        """auto's rule for the forward (the gradients are raced everywhere): ``worth_padding``."""
+        return worth_padding(spec, like)
+
+    def forward(self, spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The convolution itself (no bias) on the input padded explicitly: ``padded_forward``; auto's candidate.
+        An explicit ``backend="fwdconv"`` keeps native's forward (only its gradients are fwdconv's)."""
+        return padded_forward(spec, input, weight)
