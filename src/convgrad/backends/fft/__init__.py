@@ -33,12 +33,12 @@ import torch
 
 from convgrad.backends import Backend, register
 from convgrad.backends.fft.cost import BOUND_UNITS, MIN_TAPS, estimate_flops, normwise_bound, worth_trying
-from convgrad.backends.fft.execute import execute
+from convgrad.backends.fft.execute import execute, execute_backward, shares_spectra
 from convgrad.backends.fft.plans import FftPlan, FftStep, plan
 from convgrad.spec import ConvSpec
 
 __all__ = ["BOUND_UNITS", "MIN_TAPS", "FftBackend", "FftPlan", "FftStep", "estimate_flops", "execute",
-           "normwise_bound", "plan", "worth_trying"]
+           "execute_backward", "normwise_bound", "plan", "shares_spectra", "worth_trying"]
 
 
 @register
@@ -75,6 +75,18 @@ class FftBackend(Backend):
         input = input.conj()  # torch's complex convention, as in input_grad
         x, y = (grad_output, input) if spec.transposed else (input, grad_output)
         return execute(plan(spec, "grad_weight"), x, y)
+
+    def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
+                 weight: torch.Tensor | None, need_input: bool, need_weight: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both gradients in one pass, grad_output transformed once per chunk (``execute_backward``), where both are
+        asked for and the plans share their chunks (``shares_spectra``: not a dense layer sliced by kernel rows);
+        else each gradient alone."""
+        if need_input and need_weight and input is not None and weight is not None:
+            pi, pw = plan(spec, "grad_input"), plan(spec, "grad_weight")
+            if shares_spectra(pi, pw):  # torch's complex convention: conj(weight) for gi, conj(input) for gw
+                return execute_backward(pi, pw, grad_output, input.conj(), weight.conj())
+        return super().backward(spec, grad_output, input, weight, need_input, need_weight)
 
     def forward(self, spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The convolution itself (no bias): ``spec.output_shape``."""

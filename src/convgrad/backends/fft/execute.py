@@ -18,7 +18,7 @@ from convgrad.backends.fft.plans import FftPlan
 from convgrad.spec.chunks import chunk_ranges
 from convgrad.tensor_ops import batched_like, sliced
 
-__all__ = ["execute"]
+__all__ = ["execute", "execute_backward", "shares_spectra"]
 
 Shape = tuple[int, ...]
 
@@ -123,22 +123,34 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor, real: bool) -> torch
     return out.tensor  # (N, C_y, *o)
 
 
+def _y_spectra(p: FftPlan, y: torch.Tensor, n0: int, n1: int, g0: int, g1: int, r0: int, r1: int) -> torch.Tensor:
+    """The spectra of y's rows r0:r1 of groups g0:g1, samples n0:n1: (n', g'*r', *bins)."""
+    a = p.group_channels[0]
+    part = sliced(y, [slice(n0, n1), slice(g0 * a + r0, g1 * a - (a - r1))], 0)  # (n', g'*r', *o)
+    return tf.forward_transform(part, p.sizes)  # (n', g'*r', *bins)
+
+
 def _x_term(p: FftPlan, y: torch.Tensor, kernel: torch.Tensor, whole: torch.Tensor | None,
             at: tuple[int, int, int, int, int, int], real: bool) -> torch.Tensor:
     """One slice's term of x's spectra, sum_a Y[n, a] W[a, b] over kernel rows r0:r1 of groups g0:g1, samples n0:n1
     (``at``): (n', g', B, F). Only the slice's rows of y are transformed, and its spectra die with the call: a sliced
     plan holds one slice of y's and of the kernel's spectra at a time (issue 28's memory target)."""
     n0, n1, g0, g1, r0, r1 = at
-    a = p.group_channels[0]
-    part = sliced(y, [slice(n0, n1), slice(g0 * a + r0, g1 * a - (a - r1))], 0)  # (n', g'*r', *o)
-    yf = tf.forward_transform(part, p.sizes).reshape(n1 - n0, g1 - g0, r1 - r0, -1)  # (n', g', r', F)
+    yf = _y_spectra(p, y, n0, n1, g0, g1, r0, r1).reshape(n1 - n0, g1 - g0, r1 - r0, -1)  # (n', g', r', F)
     wf = _kernel_bins(p, kernel, g0, g1, r0, r1, False, real) if whole is None else whole  # (g', r', B, F)
     return tf.x_bins(yf, wf)  # (n', g', B, F)
 
 
+def _x_side(p: FftPlan, xf: torch.Tensor, real: bool) -> torch.Tensor:
+    """x's spectra (n', g', B, F) -> x (n', g'*B0, *i): the inverse transform, the phases interleaved and cropped."""
+    n, g = xf.shape[:2]
+    _, b0, b = p.group_channels
+    xs = tf.inverse_transform(xf.reshape(n, g * b, *p.bins(real)), p.sizes, real)  # (n', g'*B, *L)
+    return tf.from_phases(xs, p.dims, p.spec.stride, g * b0)  # (n', g'*B0, *i)
+
+
 def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor, real: bool) -> torch.Tensor:
-    spec, dims, sizes = p.spec, p.dims, p.sizes
-    a, b0, b = p.group_channels
+    spec, (a, b0, _) = p.spec, p.group_channels
     kernel = _kernel(p, w)  # (C_y, B, *Q), or w when sliced
     out = _Output(spec.x_shape, _several(p), y, w)
     for g0, g1, whole in _group_chunks(p, kernel, False, real):
@@ -148,8 +160,7 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor, real: bool) -> torch
                 term = _x_term(p, y, kernel, whole, (n0, n1, g0, g1, r0, r1), real)  # (n', g', B, F)
                 xf = term if xf is None else xf + term
                 del term  # not held while the next slice's spectra are made
-            xs = tf.inverse_transform(xf.reshape(n1 - n0, (g1 - g0) * b, *p.bins(real)), sizes, real)  # type: ignore[union-attr]  # (n', g'*B, *L)
-            out.put(n0, n1, g0 * b0, g1 * b0, tf.from_phases(xs, dims, spec.stride, (g1 - g0) * b0))  # (n', g'*B0, *i)
+            out.put(n0, n1, g0 * b0, g1 * b0, _x_side(p, xf, real))  # type: ignore[arg-type]  # (n', g'*B0, *i)
     return out.tensor  # (N, C_x, *i)
 
 
@@ -165,17 +176,13 @@ def _w_term(p: FftPlan, x: torch.Tensor, y: torch.Tensor, whole: torch.Tensor | 
     """One sample chunk's term of the weight's spectra, sum_n ~Y[n, a] X[n, b] over samples n0:n1 of kernel rows
     r0:r1 of groups g0:g1 (``at``): (g', r', B, F). x's (unless ``whole``) and y's spectra die with the call."""
     n0, n1, g0, g1, r0, r1 = at
-    a = p.group_channels[0]
     xf = _x_bins(p, x, n0, n1, g0, g1) if whole is None else whole  # (n', g', B, F)
-    part = sliced(y, [slice(n0, n1), slice(g0 * a + r0, g1 * a - (a - r1))], 0)  # (n', g'*r', *o)
-    yf = tf.reversed_spectrum(tf.forward_transform(part, p.sizes), p.spec.n, real)  # (n', g'*r', *bins)
+    yf = tf.reversed_spectrum(_y_spectra(p, y, n0, n1, g0, g1, r0, r1), p.spec.n, real)  # (n', g'*r', *bins)
     return tf.w_bins(xf, yf.reshape(n1 - n0, g1 - g0, r1 - r0, -1))  # (g', r', B, F)
 
 
 def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor, real: bool) -> torch.Tensor:
-    spec, dims, sizes = p.spec, p.dims, p.sizes
-    a, b0, b = p.group_channels
-    q = tuple(d.taps for d in dims)
+    spec, (a, _, b) = p.spec, p.group_channels
     parts = []
     sample_ranges = chunk_ranges(spec.batch, p.chunks[1])
     for g0, g1 in chunk_ranges(spec.groups, p.chunks[0]):
@@ -190,7 +197,115 @@ def _w_from_xy(p: FftPlan, x: torch.Tensor, y: torch.Tensor, real: bool) -> torc
                 term = _w_term(p, x, y, whole, (n0, n1, g0, g1, r0, r1), real)  # (g', r', B, F)
                 acc = term if acc is None else acc + term
                 del term  # not held while the next sample chunk's spectra are made
-            wf = acc.reshape((g1 - g0) * (r1 - r0), b, *p.bins(real))  # type: ignore[union-attr]  # (g'*r', B, *bins)
-            parts.append(tf.first_rows(tf.inverse_transform(wf, sizes, real), q).contiguous())  # (g'*r', B, *Q)
+            parts.append(_w_rows(p, acc, real))  # type: ignore[arg-type]  # (g'*r', B, *Q)
+    return _w_taps(p, parts)  # (C_y, C_x/g, *k)
+
+
+def _w_rows(p: FftPlan, wf: torch.Tensor, real: bool) -> torch.Tensor:
+    """The weight's spectra (g', r', B, F) -> its rows' phase kernels (g'*r', B, *Q): inverse transform, the first Q
+    slots (a compact copy: the crop of the inverse would keep it alive)."""
+    g, r = wf.shape[:2]
+    wf = wf.reshape(g * r, p.group_channels[2], *p.bins(real))  # (g'*r', B, *bins)
+    return tf.first_rows(tf.inverse_transform(wf, p.sizes, real), tuple(d.taps for d in p.dims)).contiguous()
+
+
+def _w_taps(p: FftPlan, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows' phase kernels (``_w_rows``), in order -> the weight (C_y, C_x/g, *k): each tap read from its slot."""
     wp = torch.cat(parts, 0) if len(parts) > 1 else parts[0]  # (C_y, B, *Q)
-    return tf.read_taps(wp, dims, b0)  # (C_y, C_x/g, *k)
+    return tf.read_taps(wp, p.dims, p.group_channels[1])  # (C_y, C_x/g, *k)
+
+
+# ---- both gradients in one pass: grad_output's spectrum made once per chunk, read by both products ----------------
+def shares_spectra(pi: FftPlan, pw: FftPlan) -> bool:
+    """Whether grad_input's plan ``pi`` and grad_weight's ``pw`` can run as one pass (``execute_backward``): the same
+    chunks and transform sizes, and each group's kernel rows one chunk. A dense layer sliced by kernel rows
+    (``FftPlan.row_chunk`` < A) is not: x's spectra summed over the row slices for grad_input, the weight's over the
+    sample chunks for grad_weight, one of them would be held whole beside the other's slices."""
+    a = pi.group_channels[0]
+    return (pi.chunks == pw.chunks and pi.sizes == pw.sizes and pi.row_chunk == pw.row_chunk == a > 0
+            and pi.spec.batch > 0)
+
+
+def execute_backward(pi: FftPlan, pw: FftPlan, grad_output: torch.Tensor, input: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_input and grad_weight in one chunked pass, grad_output's spectrum made once per chunk for both.
+
+    Per chunk of groups and samples: a forward conv's grad_output is y, its Y feeds X' = sum_a Y W (grad_input)
+    and W' = sum_n ~Y X (grad_weight, ~Y a lazy conj for real data); a transposed conv's is x, its X feeds
+    Y = sum_b X ~W (grad_input) and W' (the package docstring's contractions; docs/derivation.md).
+
+    Args:
+        pi: grad_input's plan, ``plan(spec, "grad_input")``.
+        pw: grad_weight's plan, ``plan(spec, "grad_weight")``; ``shares_spectra(pi, pw)`` must hold.
+        grad_output: ``(N, C_out, *out)``, real or complex floating (half precision is computed in float32).
+        input: ``(N, C_in, *in)``, conjugated by the caller (torch's complex convention; a no-op for real data).
+        weight: ``spec.weight_shape``, conjugated by the caller likewise.
+
+    Returns:
+        (grad_input ``spec.input_shape``, grad_weight ``spec.weight_shape``), in grad_output's dtype.
+
+    Examples:
+        >>> from convgrad.backends.fft import plan
+        >>> from convgrad.spec import ConvSpec
+        >>> spec = ConvSpec.from_shapes((2, 4, 30), (4, 1, 9), padding=4, groups=4)
+        >>> pi, pw = plan(spec, "grad_input"), plan(spec, "grad_weight")
+        >>> gy, x, w = torch.randn(2, 4, 30), torch.randn(2, 4, 30), torch.randn(4, 1, 9)
+        >>> gi, gw = execute_backward(pi, pw, gy, x, w)
+        >>> ref = torch.ops.aten.convolution_backward(gy, x, w, None, [1], [4], [1], False, [0], 4,
+        ...                                           [True, True, False])
+        >>> bool(torch.allclose(gi, ref[0], atol=1e-4) and torch.allclose(gw, ref[1], atol=1e-4))
+        True
+    """
+    dtype = grad_output.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        grad_output, input, weight = grad_output.float(), input.float(), weight.float()
+    real = not (grad_output.is_complex() or input.is_complex() or weight.is_complex())
+    run = _both_from_x if pi.kind == "y_from_x" else _both_from_y
+    gi, gw = run(pi, pw, grad_output, input, weight, real)
+    return gi.to(dtype), gw.to(dtype)
+
+
+def _both_from_y(pi: FftPlan, pw: FftPlan, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, real: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward conv's backward: y = grad_output shared, x = input, w = the weight."""
+    spec, (a, b0, _) = pi.spec, pi.group_channels
+    kernel = _kernel(pi, w)  # (C_y, B, *Q)
+    gi, parts = _Output(spec.x_shape, _several(pi), y, w), []
+    for g0, g1, whole in _group_chunks(pi, kernel, False, real):
+        acc: torch.Tensor | None = None
+        for n0, n1 in chunk_ranges(spec.batch, pi.chunks[1]):
+            yf = _y_spectra(pi, y, n0, n1, g0, g1, 0, a)  # (n', g'*A, *bins), the one transform of y
+            xf = tf.x_bins(yf.reshape(n1 - n0, g1 - g0, a, -1), whole)  # type: ignore[arg-type]  # (n', g', B, F)
+            gi.put(n0, n1, g0 * b0, g1 * b0, _x_side(pi, xf, real))  # (n', g'*B0, *i)
+            del xf  # not held while x's spectra are made
+            yr = tf.reversed_spectrum(yf, spec.n, real).reshape(n1 - n0, g1 - g0, a, -1)  # (n', g', A, F)
+            term = tf.w_bins(_x_bins(pw, x, n0, n1, g0, g1), yr)  # (g', A, B, F)
+            del yf, yr
+            acc = term if acc is None else acc + term
+            del term
+        parts.append(_w_rows(pw, acc, real))  # type: ignore[arg-type]  # (g'*A, B, *Q)
+    return gi.tensor, _w_taps(pw, parts)  # (N, C_x, *i), (C_y, C_x/g, *k)
+
+
+def _both_from_x(pi: FftPlan, pw: FftPlan, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, real: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transposed conv's backward: x = grad_output shared, y = input, w = the weight."""
+    spec, (a, _, b) = pi.spec, pi.group_channels
+    kernel = _kernel(pi, w)  # (C_y, B, *Q)
+    gi, parts = _Output(spec.y_shape, _several(pi), x, w), []
+    sample_ranges = chunk_ranges(spec.batch, pi.chunks[1])
+    for g0, g1, whole in _group_chunks(pi, kernel, True, real):
+        if len(sample_ranges) > 1 and b == 1:  # W(-f)'s lazy conj resolved once, as in _y_from_x
+            whole = whole.resolve_conj()  # type: ignore[union-attr]
+        acc: torch.Tensor | None = None
+        for n0, n1 in sample_ranges:
+            xf = _x_bins(pi, x, n0, n1, g0, g1)  # (n', g', B, F), the one transform of x
+            yf = tf.y_bins(xf, whole).reshape(n1 - n0, (g1 - g0) * a, *pi.bins(real))  # type: ignore[arg-type]  # (n', g'*A, *bins)
+            gi.put(n0, n1, g0 * a, g1 * a, tf.first_rows(tf.inverse_transform(yf, pi.sizes, real), spec.y_size))
+            del yf  # not held while y's spectra are made
+            term = _w_term(pw, x, y, xf, (n0, n1, g0, g1, 0, a), real)  # (g', A, B, F)
+            del xf
+            acc = term if acc is None else acc + term
+            del term
+        parts.append(_w_rows(pw, acc, real))  # type: ignore[arg-type]  # (g'*A, B, *Q)
+    return gi.tensor, _w_taps(pw, parts)  # (N, C_y, *o), (C_y, C_x/g, *k)
