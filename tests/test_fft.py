@@ -4,6 +4,7 @@ half precision, chunking, its geometry in spec/ (ConvSpec.fft_chunks), and auto'
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from convgrad.backends.fft import plans as fft_plans
 from convgrad.backends.fft import transforms as fft_transforms
 from convgrad.spec import ConvSpec, smooth_size
 from convgrad.spec.formulation import fft_size
+from convgrad.tensor_ops import crop
 from helpers import Case, assert_gradchecks, grid_cases, make_tensors, random_cases, reference_forward, reference_grads
 
 NORMWISE_F64 = 1e-10
@@ -307,10 +309,10 @@ def test_check_judges_fft_by_its_normwise_bound_and_fails_a_lossy_inverse(
         assert [r.status for r in results] == ["pass"] * 3, results
     inverse = fft_transforms.inverse_transform
 
-    def lossy(t: torch.Tensor, sizes: tuple[int, ...], real: bool) -> torch.Tensor:
-        out = inverse(t, sizes, real).clone()
+    def lossy(t: torch.Tensor, sizes: tuple[int, ...], real: bool, cuts: Any = None) -> torch.Tensor:
+        out = inverse(t, sizes, real).clone()  # all L rows, then the cuts
         out[..., [2, sizes[-1] // 2]] = 0  # a kernel slot (grad_weight's crop keeps it) and a data row
-        return out
+        return out if cuts is None else crop(out, cuts)
 
     monkeypatch.setattr(fft_transforms, "inverse_transform", lossy)
     for config in configs:

@@ -119,6 +119,26 @@ class FftDim(NamedTuple):
     slots: tuple[int, ...]
     transform_pads: Pair
 
+    def phase_pads(self, s: int) -> tuple[Pair, Pair]:
+        """``transform_pads`` split in two for the stride-``s`` phases: x padded by the first pair (a, b) has a whole
+        number M of rows per phase (s*M), each phase padded by the second (c, e) has ``size`` rows. Padding x by
+        (a, b), splitting it into phases and padding each by (c, e) is padding x by ``transform_pads`` then splitting:
+        c = max(lo, 0) div s, e = max(hi, 0) div s, a = lo - s*c, b = hi - s*e. The phases' zero rows (c, e) are
+        left to the transform, which pads one dim at a time (``transforms.forward_transform``), and cut by the
+        pruned inverse (``transforms.inverse_transform``) before the phases are interleaved; with stride 1, x is not
+        padded at all (a = b = 0 unless a side crops).
+
+        Examples:
+            >>> d = fft_phase(28, 31, 1, 1, 28, (15, 15), 58)   # x padded (15, 5) to 48 rows
+            >>> d.transform_pads, d.phase_pads(1)
+            ((15, 5), ((0, 0), (15, 5)))
+            >>> fft_phase(9, 3, 2, 2, 3, (0, 0), 9).phase_pads(2)   # (0, 3) to 2*6 rows: (0, 1) to 2*5, 1 zero row
+            ((0, 1), (0, 1))
+        """
+        lo, hi = self.transform_pads
+        c, e = max(lo, 0) // s, max(hi, 0) // s
+        return (lo - s * c, hi - s * e), (c, e)
+
 
 def smooth_size(n: int) -> int:
     """The smallest 5-smooth integer (2^a 3^b 5^c) >= n: a transform length FFT libraries compute fastest.

@@ -105,12 +105,13 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor, real: bool) -> torch
     out = _Output(spec.y_shape, _several(p), x, w)
     row_ranges = chunk_ranges(a, p.row_chunk)
     sample_ranges = chunk_ranges(spec.batch, p.chunks[1])
+    cuts = p.cuts_to(spec.y_size)  # the inverse keeps the first o rows
     for g0, g1, whole in _group_chunks(p, kernel, True, real):
         if whole is not None and len(sample_ranges) > 1 and b == 1:  # W(-f) of real data is a lazy conj, which
             whole = whole.resolve_conj()  # the broadcast product resolves per sample chunk (SincNet: 8 copies, not 1)
         for n0, n1 in sample_ranges:
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
-            xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
+            xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes, p.phase_zeros)  # (n', g'*B, *bins)
             bins = xf.shape[2:]
             xf = xf.reshape(n1 - n0, g1 - g0, b, -1)  # (n', g', B, F)
             if whole is None and b > 1:  # laid out (g', F, n', B) once: the per-bin matmul of every row chunk reads it
@@ -118,7 +119,7 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor, real: bool) -> torch
             for r0, r1 in row_ranges:
                 wf = _kernel_bins(p, kernel, g0, g1, r0, r1, True, real) if whole is None else whole
                 yf = tf.y_bins(xf, wf).reshape(n1 - n0, (g1 - g0) * (r1 - r0), *bins)  # (n', g'*r', *bins)
-                part = tf.first_rows(tf.inverse_transform(yf, sizes, real), spec.y_size)  # (n', g'*r', *o)
+                part = tf.inverse_transform(yf, sizes, real, cuts)  # (n', g'*r', *o)
                 out.put(n0, n1, g0 * a + r0, g1 * a - (a - r1), part)  # rows < A only with one group per chunk
     return out.tensor  # (N, C_y, *o)
 
@@ -145,7 +146,7 @@ def _x_side(p: FftPlan, xf: torch.Tensor, real: bool) -> torch.Tensor:
     """x's spectra (n', g', B, F) -> x (n', g'*B0, *i): the inverse transform, the phases interleaved and cropped."""
     n, g = xf.shape[:2]
     _, b0, b = p.group_channels
-    xs = tf.inverse_transform(xf.reshape(n, g * b, *p.bins(real)), p.sizes, real)  # (n', g'*B, *L)
+    xs = tf.inverse_transform(xf.reshape(n, g * b, *p.bins(real)), p.sizes, real, p.phase_zeros)  # (n', g'*B, *M)
     return tf.from_phases(xs, p.dims, p.spec.stride, g * b0)  # (n', g'*B0, *i)
 
 
@@ -167,7 +168,7 @@ def _x_from_y(p: FftPlan, y: torch.Tensor, w: torch.Tensor, real: bool) -> torch
 def _x_bins(p: FftPlan, x: torch.Tensor, n0: int, n1: int, g0: int, g1: int) -> torch.Tensor:
     """The spectra of x's live phases, samples n0:n1 of groups g0:g1: (n', g', B, F)."""
     part = sliced(x, [slice(n0, n1), slice(g0 * p.group_channels[1], g1 * p.group_channels[1])], 0)  # (n', g'*B0, *i)
-    xf = tf.forward_transform(tf.to_phases(part, p.dims, p.spec.stride), p.sizes)  # (n', g'*B, *bins)
+    xf = tf.forward_transform(tf.to_phases(part, p.dims, p.spec.stride), p.sizes, p.phase_zeros)  # (n', g'*B, *bins)
     return xf.reshape(n1 - n0, g1 - g0, p.group_channels[2], -1)  # (n', g', B, F)
 
 
@@ -206,7 +207,7 @@ def _w_rows(p: FftPlan, wf: torch.Tensor, real: bool) -> torch.Tensor:
     slots (a compact copy: the crop of the inverse would keep it alive)."""
     g, r = wf.shape[:2]
     wf = wf.reshape(g * r, p.group_channels[2], *p.bins(real))  # (g'*r', B, *bins)
-    return tf.first_rows(tf.inverse_transform(wf, p.sizes, real), tuple(d.taps for d in p.dims)).contiguous()
+    return tf.inverse_transform(wf, p.sizes, real, p.cuts_to(tuple(d.taps for d in p.dims))).contiguous()
 
 
 def _w_taps(p: FftPlan, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -301,7 +302,7 @@ def _both_from_x(pi: FftPlan, pw: FftPlan, x: torch.Tensor, y: torch.Tensor, w: 
         for n0, n1 in sample_ranges:
             xf = _x_bins(pi, x, n0, n1, g0, g1)  # (n', g', B, F), the one transform of x
             yf = tf.y_bins(xf, whole).reshape(n1 - n0, (g1 - g0) * a, *pi.bins(real))  # type: ignore[arg-type]  # (n', g'*A, *bins)
-            gi.put(n0, n1, g0 * a, g1 * a, tf.first_rows(tf.inverse_transform(yf, pi.sizes, real), spec.y_size))
+            gi.put(n0, n1, g0 * a, g1 * a, tf.inverse_transform(yf, pi.sizes, real, pi.cuts_to(spec.y_size)))
             del yf  # not held while y's spectra are made
             term = _w_term(pw, x, y, xf, (n0, n1, g0, g1, 0, a), real)  # (g', A, B, F)
             del xf

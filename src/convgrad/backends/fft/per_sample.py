@@ -43,15 +43,16 @@ def _blocks(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[
         for n0, n1 in chunk_ranges(spec.batch, nc):
             n, g = n1 - n0, g1 - g0
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
-            xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes)  # (n', g'*B, *bins)
+            xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes, p.phase_zeros)  # (n', g'*B, *bins)
             bins = xf.shape[2:]
             xf = xf.reshape(n, g, 1, b, -1)  # (n', g', 1, B, F)
             part = sliced(y, [slice(n0, n1), slice(g0 * a, g1 * a)], 0)  # (n', g'*A, *o)
             yf = tf.reversed_spectrum(tf.forward_transform(part, sizes), nd, True).reshape(n, g, a, 1, -1)
             for a0, a1 in chunk_ranges(a, ac):
                 wf = sliced(yf, [slice(a0, a1)], 2) * xf  # (n', g', a', B, F): per sample, no sum over n
-                wl = tf.inverse_transform(wf.reshape(n * g * (a1 - a0), b, *bins), sizes, True)  # (n'g'a', B, *L)
-                taps = tf.read_taps(tf.first_rows(wl, q), dims, b0)  # (n'g'a', B0, *k)
+                wf = wf.reshape(n * g * (a1 - a0), b, *bins)  # (n'g'a', B, *bins)
+                wq = tf.inverse_transform(wf, sizes, True, p.cuts_to(q))  # (n'g'a', B, *Q)
+                taps = tf.read_taps(wq, dims, b0)  # (n'g'a', B0, *k)
                 yield (slice(n0, n1), slice(g0, g1), slice(a0, a1)), taps.reshape(n, g, a1 - a0, b0, *spec.kernel_size)
 
 

@@ -8,10 +8,11 @@ are split into) and its steps: pad, phases, taps, transform, product, inverse, c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 from convgrad.errors import ConvgradValueError
-from convgrad.spec import ConvSpec, FftDim
+from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows, padded_sizes
 from convgrad.spec.chunks import fft_kernel_rows
 
 __all__ = ["CHUNK_MIN_REALS", "KINDS", "FftPlan", "FftStep", "plan"]
@@ -71,6 +72,16 @@ class FftPlan:
         """The frequency bins of a transform of ``sizes``: the last dim halved (+1) for real data (rfftn)."""
         return (*self.sizes[:-1], self.sizes[-1] // 2 + 1) if real else self.sizes
 
+    @cached_property
+    def phase_zeros(self) -> tuple[Pair, ...]:
+        """Per dim the zero rows (c, e) around each phase's data rows in its L rows (``FftDim.phase_pads``): the pads
+        of the phases' transform, and the cuts of x's inverse before the phases are interleaved."""
+        return tuple(d.phase_pads(s)[1] for d, s in zip(self.dims, self.spec.stride))
+
+    def cuts_to(self, rows: Shape) -> tuple[Pair, ...]:
+        """The rows (0, L - r) cut off each dim's L rows to keep its first ``rows``: the inverse's cuts."""
+        return tuple(pad_to_rows((0, 0), r, n) for r, n in zip(rows, self.sizes))
+
     @property
     def group_channels(self) -> tuple[int, int, int]:
         """(A, B0, B): y channels per group, x channels per group, and x channels per group times the live phases."""
@@ -118,53 +129,67 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
     if rows < a:
         chunks = (1, samples)
-    return FftPlan(gradient, spec, kind, dims, chunks, _steps(spec, kind, dims, p), rows=rows)
+    bare = FftPlan(gradient, spec, kind, dims, chunks, (), rows=rows)
+    return replace(bare, steps=_steps(bare))
 
 
-def _steps(spec: ConvSpec, kind: str, dims: tuple[FftDim, ...], p: int) -> tuple[FftStep, ...]:
+def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
+    spec, kind, dims, p = plan.spec, plan.kind, plan.dims, plan.phase_count
     n, cx, cy, g, nd = spec.batch, spec.x_channels, spec.y_channels, spec.groups, spec.n
-    q, sizes = tuple(d.taps for d in dims), tuple(d.size for d in dims)
+    q, sizes, zeros = tuple(d.taps for d in dims), plan.sizes, plan.phase_zeros
     phases = tuple(d.phases for d in dims)
-    x_steps = (FftStep("pad", f"pad x by {tuple(d.transform_pads for d in dims)} (negative = crop) to stride * L rows",
-                       (n, cx, *(s * r for s, r in zip(spec.stride, sizes))),
-                       ("xs = tf.to_phases(x, dims, stride)  # pad, then the phases as channels: (n, C_x*P, *L)",)),
+    whole = tuple(d.phase_pads(s)[0] for d, s in zip(dims, spec.stride))
+    rows = tuple(m // s for m, s in zip(padded_sizes(spec.x_size, whole), spec.stride))  # M per phase
+    pruned = ("pruned where the data fills few of the rows before the last dim (transforms.PRUNE_FILL): the last dim "
+              "first over the data's rows only, then each earlier dim, each padded as it is reached")
+    inverse = ("inverse transform, pruned: the earlier dims first, each cut to its kept rows before the next, the last "
+               "dim on the remaining rows only")
+    x_steps = (FftStep("pad", f"pad x by {whole} (negative = crop) to stride * M rows, M = {rows} whole rows a phase",
+                       (n, cx, *(s * r for s, r in zip(spec.stride, rows))),
+                       ("xs = tf.to_phases(x, dims, stride)  # pad, then the phases as channels: (n, C_x*P, *M)",)),
                FftStep("phases", f"split x into the live phases {phases} of stride {spec.stride}, as channels",
-                       (n, cx * p, *sizes)))
+                       (n, cx * p, *rows)))
     w_steps = (FftStep("taps", f"place each tap t at slot (phase, t*d div s) of a {q} kernel per phase",
                        (cy, cx // g * p, *q), ("wp = tf.place_taps(w, dims)  # (C_y, B, *Q)",)),)
     contraction = f"per bin, {g} groups as a batch dim"
     if kind == "y_from_x":
+        cuts = plan.cuts_to(spec.y_size)
         return (*x_steps, *w_steps,
-                FftStep("transform", f"transform x and the kernel to {sizes} bins (zero-padded)", (n, cx * p, *sizes),
-                        ("xf = tf.forward_transform(xs, sizes).reshape(n, g, B, -1)  # (n, g, B, F)",
+                FftStep("transform", f"transform x (each phase padded by {zeros} zero rows) and the kernel to {sizes} "
+                        f"bins; {pruned}", (n, cx * p, *sizes),
+                        (f"xf = tf.forward_transform(xs, sizes, {zeros}).reshape(n, g, B, -1)  # (n, g, B, F)",
                          f"wf = tf.reversed_spectrum(tf.forward_transform(wp, sizes), {nd}, True)",
                          "wf = wf.reshape(g, A, B, -1)  # (g, A, B, F)")),
                 FftStep("product", f"Y[n,a] = sum_b X[n,b] W(-f)[a,b], {contraction}", (n, cy, *sizes),
                         ("yf = tf.y_bins(xf, wf).reshape(n, g * A, *bins)  # (n, C_y, *bins)",)),
-                FftStep("inverse", "inverse transform", (n, cy, *sizes),
-                        ("yl = tf.inverse_transform(yf, sizes, True)  # (n, C_y, *L)",)),
-                FftStep("crop", f"keep the first o = {spec.y_size} rows: the stride-1 correlation", spec.y_shape,
-                        (f"out = tf.first_rows(yl, {spec.y_size})  # (n, C_y, *o)",)))
+                FftStep("inverse", f"{inverse}: cuts {cuts}", spec.y_shape,
+                        (f"out = tf.inverse_transform(yf, sizes, True, {cuts})  # (n, C_y, *o)",)),
+                FftStep("crop", f"keep the first o = {spec.y_size} rows (the stride-1 correlation): the inverse's cuts",
+                        spec.y_shape))
     if kind == "x_from_y":
         return (*w_steps,
-                FftStep("transform", f"transform y and the kernel to {sizes} bins (zero-padded)", (n, cy, *sizes),
+                FftStep("transform", f"transform y and the kernel to {sizes} bins (zero-padded); {pruned}",
+                        (n, cy, *sizes),
                         ("yf = tf.forward_transform(y, sizes).reshape(n, g, A, -1)  # (n, g, A, F)",
                          "wf = tf.forward_transform(wp, sizes).reshape(g, A, B, -1)  # (g, A, B, F)")),
                 FftStep("product", f"X[n,b] = sum_a Y[n,a] W[a,b], {contraction}", (n, cx * p, *sizes),
                         ("xf = tf.x_bins(yf, wf).reshape(n, g * B, *bins)  # (n, C_x*P, *bins)",)),
-                FftStep("inverse", "inverse transform: the L rows of each phase", (n, cx * p, *sizes),
-                        ("xs = tf.inverse_transform(xf, sizes, True)  # (n, C_x*P, *L)",)),
+                FftStep("inverse", f"{inverse}: each phase's M = {rows} rows, its zero rows {zeros} cut",
+                        (n, cx * p, *rows),
+                        (f"xs = tf.inverse_transform(xf, sizes, True, {zeros})  # (n, C_x*P, *M)",)),
                 FftStep("phases", "interleave the phases (zeros in those no tap reaches) and crop the pads",
                         spec.x_shape, (f"out = tf.from_phases(xs, dims, stride, {cx})  # (n, C_x, *i)",)))
+    cuts = plan.cuts_to(q)
     return (*x_steps,
-            FftStep("transform", f"transform x and y to {sizes} bins (zero-padded)", (n, cx * p, *sizes),
-                    ("xf = tf.forward_transform(xs, sizes).reshape(n, g, B, -1)  # (n, g, B, F)",
+            FftStep("transform", f"transform x (each phase padded by {zeros} zero rows) and y to {sizes} bins; "
+                    f"{pruned}", (n, cx * p, *sizes),
+                    (f"xf = tf.forward_transform(xs, sizes, {zeros}).reshape(n, g, B, -1)  # (n, g, B, F)",
                      f"yf = tf.reversed_spectrum(tf.forward_transform(y, sizes), {nd}, True).reshape(n, g, A, -1)")),
             FftStep("product", f"W[a,b] = sum_n Y(-f)[n,a] X[n,b], {contraction}", (cy, cx // g * p, *sizes),
                     ("wf = tf.w_bins(xf, yf).reshape(g * A, B, *bins)  # (C_y, B, *bins)",)),
-            FftStep("inverse", "inverse transform", (cy, cx // g * p, *sizes),
-                    ("wl = tf.inverse_transform(wf, sizes, True)  # (C_y, B, *L)",)),
-            FftStep("crop", f"keep the first Q = {q} slots: the correlation's lags", (cy, cx // g * p, *q),
-                    (f"wq = tf.first_rows(wl, {q})  # (C_y, B, *Q)",)),
+            FftStep("inverse", f"{inverse}: cuts {cuts}", (cy, cx // g * p, *q),
+                    (f"wq = tf.inverse_transform(wf, sizes, True, {cuts})  # (C_y, B, *Q)",)),
+            FftStep("crop", f"keep the first Q = {q} slots (the correlation's lags): the inverse's cuts",
+                    (cy, cx // g * p, *q)),
             FftStep("taps", "read each tap t from its slot", spec.weight_shape,
                     (f"out = tf.read_taps(wq, dims, {cx // g})  # (C_y, C_x/g, *k)",)))

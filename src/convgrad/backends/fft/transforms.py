@@ -2,33 +2,98 @@
 
 Each function is one step of a plan (``plans.FftStep``) on tensors; all are differentiable torch ops, so gradients
 of any order come from autograd. Spectra have their bins flattened to F for the products.
+
+The transforms are pruned: the operands are small inside the transform size L (a 7x7x7 kernel in 54^3, 14x14 data in
+20x20) and only the first rows of a result are kept, so a 1-d transform of a row that is all zeros, or of a row that
+is cut afterwards, is skipped where that pays (``forward_transform``, ``inverse_transform``).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
-from convgrad.spec import FftDim
+from convgrad.spec import FftDim, Pair, pad_then_crop, pad_to_rows
 from convgrad.tensor_ops import crop, pad, sliced
 
-__all__ = ["SMALL_PRODUCT", "first_rows", "forward_transform", "from_phases", "inverse_transform", "place_taps",
-           "read_taps", "reversed_spectrum", "to_phases", "w_bins", "x_bins", "y_bins"]
+__all__ = ["PRUNE_FILL", "PRUNE_MIN_POINTS", "SMALL_PRODUCT", "forward_transform", "from_phases", "inverse_transform",
+           "place_taps", "read_taps", "reversed_spectrum", "to_phases", "w_bins", "x_bins", "y_bins"]
 
 Shape = tuple[int, ...]
 # The per-bin product of at most this many (a, b) pairs is a broadcast product; above it, a batched matmul.
 SMALL_PRODUCT = 4
+# The transforms are pruned (one dim at a time) only on at least this many points of the transform grid (the leading
+# dims times the product of L): each dim's own FFT call has its setup, which outweighs the rows it saves on a chunk
+# of a 2d layer (a 31x31 kernel's inverse, 19 groups of 45x48 = 41k points: 1.1x the time of one irfftn call; 256
+# groups, 553k points: 0.89x); a 3d chunk (7x7x7 in 54^3: 157k points a channel) gains 2-3x.
+PRUNE_MIN_POINTS = 2**18
+# The forward transform is pruned where, besides, the data fills at most this share of the rows the last dim's
+# transforms run over (the product of data extent / L over the dims before the last); above it one padded copy and
+# rfftn's single pass are faster (each dim's pad of the complex partial result and its own output cost more than the
+# rows saved: 30x30x30 data in 54^3 0.87x, 40x40x40 1.2x, 5x51 in 60x108 0.67x, 51x5 in 108x60 0.93x).
+PRUNE_FILL = 0.5
 
 
-def forward_transform(t: torch.Tensor, sizes: Shape) -> torch.Tensor:
-    """N-d transform of the trailing dims, zero-padded (or cut) to sizes: rfftn for real data, fftn for complex."""
-    dims = tuple(range(-len(sizes), 0))
+def _pays(t: torch.Tensor, sizes: Shape) -> bool:
+    """Whether transforming t's trailing dims one call per dim pays: more than one dim, and a large enough grid."""
+    nd = len(sizes)
+    return nd > 1 and math.prod(t.shape[:-nd]) * math.prod(sizes) >= PRUNE_MIN_POINTS
+
+
+def _one_dim(pair: Pair, j: int, nd: int) -> list[Pair]:
+    """``pair`` for trailing dim j of nd, (0, 0) for the dims after it: a pad or crop of that dim alone."""
+    return [pair, *[(0, 0)] * (nd - 1 - j)]
+
+
+def forward_transform(t: torch.Tensor, sizes: Shape, pads: Sequence[Pair] | None = None) -> torch.Tensor:
+    """N-d transform of the trailing dims of t padded by ``pads`` to ``sizes``: rfftn for real data, fftn for complex.
+
+    ``pads``: (lo, hi) per dim, a negative amount a crop; default (0, L - m), which is ``rfftn(t, s=sizes)`` (a
+    data extent m above L is cut). Where the data fills at most ``PRUNE_FILL`` of the rows before the last dim (and
+    the grid has ``PRUNE_MIN_POINTS``), the last dim is transformed first over the data's rows only, then each
+    earlier dim over the rows still nonzero, each padded as it is reached: the same spectrum, fewer 1-d transforms
+    and no full-size padded copy.
+    """
+    nd = len(sizes)
+    if _pays(t, sizes):
+        pairs = [pad_to_rows((0, 0), m, n) for m, n in zip(t.shape[-nd:], sizes)] if pads is None else pads
+        grow, cut = pad_then_crop(pairs)
+        data = crop(t, cut)  # (.., *m): the data's rows, a view
+        if math.prod([m / n for m, n in zip(data.shape[-nd:-1], sizes[:-1])]) <= PRUNE_FILL:
+            for j in reversed(range(nd)):
+                data = pad(data, _one_dim(grow[j], j, nd))  # dim j padded to L_j; those before it still the data's
+                data = torch.fft.fft(data, dim=j - nd) if data.is_complex() else torch.fft.rfft(data, dim=j - nd)
+            return data  # (.., *bins)
+    t = t if pads is None else pad(t, pads)  # (.., *L), or rfftn(s=) pads and cuts
+    dims = tuple(range(-nd, 0))
     return torch.fft.fftn(t, s=sizes, dim=dims) if t.is_complex() else torch.fft.rfftn(t, s=sizes, dim=dims)
 
 
-def inverse_transform(t: torch.Tensor, sizes: Shape, real: bool) -> torch.Tensor:
-    """The inverse of ``forward_transform``: irfftn (real result) or ifftn."""
-    dims = tuple(range(-len(sizes), 0))
-    return torch.fft.irfftn(t, s=sizes, dim=dims) if real else torch.fft.ifftn(t, s=sizes, dim=dims)
+def inverse_transform(t: torch.Tensor, sizes: Shape, real: bool, cuts: Sequence[Pair] | None = None) -> torch.Tensor:
+    """The inverse of ``forward_transform`` (irfftn: a real result, or ifftn), with ``cuts`` (lo, hi) rows per dim
+    cut off the result (default none).
+
+    Pruned (N-d, on a grid of ``PRUNE_MIN_POINTS`` or more): the dims before the last are inverted first, each cut
+    before the next, and the last (c2r) dim runs on the rows that remain only; the same result as
+    ``crop(irfftn(t, s=sizes), cuts)``.
+    """
+    nd = len(sizes)
+    if cuts is not None and _pays(t, sizes):
+        for j in range(nd - 1):
+            t = _cut(torch.fft.ifft(t, dim=j - nd), _one_dim(cuts[j], j, nd))  # dim j inverted and cut: (.., r_j, ..)
+        last = torch.fft.irfft(t, n=sizes[-1], dim=-1) if real else torch.fft.ifft(t, n=sizes[-1], dim=-1)
+        return _cut(last, [cuts[-1]])  # (.., *r)
+    dims = tuple(range(-nd, 0))
+    out = torch.fft.irfftn(t, s=sizes, dim=dims) if real else torch.fft.ifftn(t, s=sizes, dim=dims)
+    return out if cuts is None else _cut(out, cuts)
+
+
+def _cut(t: torch.Tensor, cuts: Sequence[Pair]) -> torch.Tensor:
+    """``crop`` for cuts >= 0 (all the inverse makes), without its pad-then-crop checks: it runs once per chunk."""
+    nd = len(cuts)
+    return sliced(t, [slice(lo, t.shape[j - nd] - hi) for j, (lo, hi) in enumerate(cuts)])
 
 
 def reversed_spectrum(t: torch.Tensor, n: int, real: bool) -> torch.Tensor:
@@ -39,39 +104,38 @@ def reversed_spectrum(t: torch.Tensor, n: int, real: bool) -> torch.Tensor:
     return torch.roll(torch.flip(t, dims), (1,) * n, dims)
 
 
-def first_rows(t: torch.Tensor, rows: Shape) -> torch.Tensor:
-    """The first rows[j] entries of each trailing dim (no alias when nothing is cropped: the legacy vmap of
-    is_grads_batched cannot batch one)."""
-    return sliced(t, [slice(0, r) for r in rows])
-
-
 def to_phases(x: torch.Tensor, dims: tuple[FftDim, ...], stride: Shape) -> torch.Tensor:
-    """x (n, C, *i) -> its live phases as channels, each L rows long (n, C*P, *L): one pad (or crop) to s*L rows."""
+    """x (n, C, *i) -> its live phases as channels, M rows each (n, C*P, *M): x padded (or cut) by the first pair
+    of ``FftDim.phase_pads`` only, to s*M rows (with stride 1 not at all); the phases' zero rows
+    (``FftPlan.phase_zeros``) are left to ``forward_transform``."""
     n, c, nd = x.shape[0], x.shape[1], len(dims)
-    x = pad(x, [d.transform_pads for d in dims])  # (n, C, *s*L)
+    x = pad(x, [d.phase_pads(s)[0] for d, s in zip(dims, stride)])  # (n, C, *s*M)
     if all(s == 1 for s in stride):
         return x
-    x = x.reshape(n, c, *(v for d, s in zip(dims, stride) for v in (d.size, s)))  # (n, C, L1, s1, L2, s2, ..)
-    x = x.permute(0, 1, *range(3, 2 + 2 * nd, 2), *range(2, 2 + 2 * nd, 2))  # (n, C, s1, s2, .., L1, L2, ..)
+    rows = [m // s for m, s in zip(x.shape[2:], stride)]
+    x = x.reshape(n, c, *(v for m, s in zip(rows, stride) for v in (m, s)))  # (n, C, M1, s1, M2, s2, ..)
+    x = x.permute(0, 1, *range(3, 2 + 2 * nd, 2), *range(2, 2 + 2 * nd, 2))  # (n, C, s1, s2, .., M1, M2, ..)
     for j, (d, s) in enumerate(zip(dims, stride)):
         if len(d.phases) < s:
-            x = x.index_select(2 + j, torch.tensor(d.phases, device=x.device))  # (n, C, .., P_j, .., *L)
-    return x.reshape(n, -1, *(d.size for d in dims))  # (n, C*P, *L)
+            x = x.index_select(2 + j, torch.tensor(d.phases, device=x.device))  # (n, C, .., P_j, .., *M)
+    return x.reshape(n, -1, *rows)  # (n, C*P, *M)
 
 
 def from_phases(t: torch.Tensor, dims: tuple[FftDim, ...], stride: Shape, channels: int) -> torch.Tensor:
-    """(n, C*P, *L) -> x (n, C, *i): interleave the phases (zeros where none is live), crop the pads."""
-    n, nd = t.shape[0], len(dims)
+    """(n, C*P, *M) -> x (n, C, *i): interleave the phases (zeros where none is live), crop the pads. M: each
+    phase's rows left by ``inverse_transform``'s cuts (``FftPlan.phase_zeros``); then the first pair of
+    ``FftDim.phase_pads`` is cropped."""
+    n, nd, rows = t.shape[0], len(dims), t.shape[2:]
     if any(s > 1 for s in stride):
-        t = t.reshape(n, channels, *(len(d.phases) for d in dims), *(d.size for d in dims))  # (n, C, *P, *L)
+        t = t.reshape(n, channels, *(len(d.phases) for d in dims), *rows)  # (n, C, *P, *M)
         for j, (d, s) in enumerate(zip(dims, stride)):
             if len(d.phases) < s:  # every phase phi takes its live slot, or the zero slot appended last
-                t = pad(t.movedim(2 + j, -1), [(0, 1)]).movedim(-1, 2 + j)  # (n, C, .., P_j + 1, .., *L)
+                t = pad(t.movedim(2 + j, -1), [(0, 1)]).movedim(-1, 2 + j)  # (n, C, .., P_j + 1, .., *M)
                 slot = [d.phases.index(phi) if phi in d.phases else len(d.phases) for phi in range(s)]
-                t = t.index_select(2 + j, torch.tensor(slot, device=t.device))  # (n, C, .., s_j, .., *L)
+                t = t.index_select(2 + j, torch.tensor(slot, device=t.device))  # (n, C, .., s_j, .., *M)
         order = [v for j in range(nd) for v in (2 + nd + j, 2 + j)]
-        t = t.permute(0, 1, *order).reshape(n, channels, *(d.size * s for d, s in zip(dims, stride)))
-    return crop(t, [d.transform_pads for d in dims])  # (n, C, *i)
+        t = t.permute(0, 1, *order).reshape(n, channels, *(m * s for m, s in zip(rows, stride)))  # (n, C, *s*M)
+    return crop(t, [d.phase_pads(s)[0] for d, s in zip(dims, stride)])  # (n, C, *i)
 
 
 def place_taps(w: torch.Tensor, dims: tuple[FftDim, ...]) -> torch.Tensor:
