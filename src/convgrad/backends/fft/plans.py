@@ -140,10 +140,10 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
     phases = tuple(d.phases for d in dims)
     whole = tuple(d.phase_pads(s)[0] for d, s in zip(dims, spec.stride))
     rows = tuple(m // s for m, s in zip(padded_sizes(spec.x_size, whole), spec.stride))  # M per phase
-    pruned = ("pruned where the data fills few of the rows before the last dim (transforms.PRUNE_FILL): the last dim "
-              "first over the data's rows only, then each earlier dim, each padded as it is reached")
-    inverse = ("inverse transform, pruned: the earlier dims first, each cut to its kept rows before the next, the last "
-               "dim on the remaining rows only")
+    pruned = ("pruned on large grids where the data fills few of the rows before the last dim (transforms.PRUNE_FILL): "
+              "the last dim first over the data's rows only, then each earlier dim, each padded as it is reached")
+    inverse = ("inverse transform and cut, pruned on large grids (transforms.PRUNE_MIN_POINTS): the earlier dims "
+               "first, each cut to its kept rows before the next, the last dim on the remaining rows only")
     x_steps = (FftStep("pad", f"pad x by {whole} (negative = crop) to stride * M rows, M = {rows} whole rows a phase",
                        (n, cx, *(s * r for s, r in zip(spec.stride, rows))),
                        ("xs = tf.to_phases(x, dims, stride)  # pad, then the phases as channels: (n, C_x*P, *M)",)),
