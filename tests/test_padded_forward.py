@@ -51,6 +51,14 @@ def test_padded_forward_refuses_transposed_and_complex() -> None:
         fwdconv.padded_forward(ConvSpec.from_shapes(x.shape, w.shape, padding=1), xc, wc)
 
 
+def test_padded_forward_refuses_a_complex_weight_beside_a_real_input() -> None:
+    """review5: a real input with a complex weight reached aten, whose RuntimeError named neither function nor
+    parameter; it is the TypeError of a complex input."""
+    x, w = torch.randn(1, 2, 9), torch.randn(2, 2, 3, dtype=torch.complex64)
+    with pytest.raises(ConvgradTypeError, match=r"fwdconv.forward: weight dtype torch.complex64 is not served"):
+        fwdconv.padded_forward(ConvSpec.from_shapes(x.shape, w.shape, padding=1), x, w)
+
+
 def _spec(input_shape: tuple[int, ...], weight_shape: tuple[int, ...], **kw: object) -> ConvSpec:
     return ConvSpec.from_shapes(input_shape, weight_shape, **kw)  # type: ignore[arg-type]
 

@@ -74,7 +74,7 @@ def padded_forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor) ->
 
     Raises:
         ValueError: a transposed ``spec``.
-        TypeError: a complex input (aten has no complex convolution; native's forward splits it).
+        TypeError: a complex input or weight (aten has no complex convolution; native's forward splits it).
 
     Examples:
         >>> import torch
@@ -92,9 +92,10 @@ def padded_forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor) ->
     if spec.transposed:
         raise ConvgradValueError("fwdconv.forward: transposed=True is not served (a transposed conv's forward is a "
                                  "different kernel); use the native forward")
-    if input.is_complex():
-        raise ConvgradTypeError(f"fwdconv.forward: input dtype {input.dtype} is not served (complex); use the native "
-                                "forward")
+    for name, t in (("input", input), ("weight", weight)):
+        if t.is_complex():
+            raise ConvgradTypeError(f"fwdconv.forward: {name} dtype {t.dtype} is not served (complex); use the native "
+                                    "forward")
     zeros = (0,) * spec.n
     return torch.ops.aten.convolution(pad(input, spec.padding), weight, None, spec.stride, zeros, spec.dilation,
                                       False, zeros, spec.groups)
