@@ -173,3 +173,26 @@ def test_gradients_through_the_padded_forward(monkeypatch: pytest.MonkeyPatch, x
     monkeypatch.setattr(function, "auto_forward", padded)
     assert_gradchecks("auto", xs, ws, kw)
     assert calls, "the padded forward must have run"
+
+
+@pytest.mark.usefixtures("tuned")
+@pytest.mark.parametrize("name", ["fft", "fwdconv"])
+@pytest.mark.parametrize("last", ["input", "weight", "both"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_auto_forward_keeps_torchs_memory_format_whichever_candidate_serves(name: str, last: str, n: int) -> None:
+    """review5: once auto's forward had chosen fft's, a channels-last input (or weight) gave a contiguous output where
+    torch's convolution gives channels last (fft's transforms lay out their own result). The candidate's output is
+    laid out as torch's; the values stay the same."""
+    x = torch.randn(2, 4, *(9,) * n)
+    w, b = torch.randn(4, 1, *(7,) * n), torch.randn(4)
+    fmt = torch.channels_last if n == 2 else torch.channels_last_3d
+    x, w = (t.contiguous(memory_format=fmt) if last in (which, "both") else t for t, which in ((x, "input"),
+                                                                                            (w, "weight")))
+    spec = ConvSpec.from_shapes(x.shape, w.shape, padding=3, groups=4)
+    auto._choices.remember(auto._key(spec, "forward", x), auto.Choice(name, {}))
+    ours = auto.forward(spec, x, w, b)
+    ref = (torch.nn.functional.conv2d if n == 2 else torch.nn.functional.conv3d)(x, w, b, padding=3, groups=4)
+    if last != "weight":  # torch's layout here: channels last (with the weight alone, its kernel's choice)
+        assert ref.is_contiguous(memory_format=fmt) and not ref.is_contiguous()
+    assert ours.stride() == ref.stride(), (name, last)
+    torch.testing.assert_close(ours, ref, **TOL[torch.float32])

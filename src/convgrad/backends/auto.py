@@ -59,6 +59,7 @@ import torch
 
 from convgrad import tuning
 from convgrad.backends import Backend, backend_names, get_backend, register
+from convgrad.backends.memory_format import output_like_torch
 from convgrad.backends.native import forward as native_forward  # here, not per call: Dynamo would trace the import
 from convgrad.spec import ConvSpec
 from convgrad.tuning import (  # auto's documented names, kept from before tuning/ had its own package
@@ -277,8 +278,9 @@ def _settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, n
 
 
 def _forward_of(backend: Backend, spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
-    """A backend's forward of the first m samples (no bias)."""
-    return backend.forward(_sub(spec, m), _head(input, m), weight)  # type: ignore[attr-defined, no-any-return]
+    """A backend's forward of the first m samples (no bias), laid out as torch's (as the calls that follow)."""
+    sub, head = _sub(spec, m), _head(input, m)
+    return output_like_torch(sub, head, weight, backend.forward(sub, head, weight))  # type: ignore[arg-type, attr-defined]
 
 
 # Forward keys that no backend but native may serve (their cost models said so once): not a measured choice, so
@@ -320,7 +322,9 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
             return lambda: native_forward(spec, input, weight, bias)
         backend = get_backend(name)
         shape = (-1, *(1,) * spec.n)  # bias (C_out,) -> (C_out, 1, ..., 1)
-        return lambda: backend.forward(spec, input, weight) + (0 if bias is None else bias.reshape(shape))  # type: ignore[attr-defined]
+        # fft's transforms lay out their own result: torch's layout (channels last on such operands) is kept
+        return lambda: output_like_torch(spec, input, weight, backend.forward(spec, input, weight)  # type: ignore[attr-defined]
+                                         + (0 if bias is None else bias.reshape(shape)))
 
     return _choices.run(key, known, spec.batch, input.device, make)
 

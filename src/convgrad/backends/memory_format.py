@@ -156,3 +156,15 @@ def like_torch(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | 
         return grad_input, grad_weight
     for_input, for_weight = _targets(spec, grad_output, input, weight)
     return _laid_out(grad_input, for_input), _laid_out(grad_weight, for_weight)
+
+
+def output_like_torch(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """A convolution's output (``spec.output_shape``, computed by another backend's forward) in the memory format
+    torch's own convolution gives it for these tensors: the one its kernel gives grad_input too (``like_torch``).
+
+    An empty output, and one under vmap, pass unchanged.
+    """
+    if output.numel() == 0 or (not torch.compiler.is_compiling() and any(_vmapped(t) for t in (input, weight))):
+        return output
+    target = _targets(spec, input, input, weight)[0]
+    return output if isinstance(target, torch.Tensor) else _laid_out(output, target)  # type: ignore[return-value]
