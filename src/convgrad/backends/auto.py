@@ -18,15 +18,15 @@ fewer when one is 25% behind after one round) or up to 7 rounds for a close one.
 the anchor unless another beats it by more than ``PREFER_NATIVE`` (3%, about the noise of one
 tuning) in the median of those ratios.
 When both gradients are wanted, the options are each backend's own backward for both, which may
-share work (native's aten.convolution_backward, gemm's columns), and the two per-gradient
-fastest one after the other ("split", when they differ), which must beat every backend by
+share work (native's aten.convolution_backward, gemm's columns, fft's one spectrum of grad_output), and
+the two per-gradient fastest one after the other ("split", when they differ), which must beat every backend by
 ``SPLIT_MARGIN`` (5%). One tuning screens each gradient and, where a backend shares work, its own
 backward; when one backend was fastest for each gradient, it is the anchor instead of native.
 Every call computes a real result, so the comparison costs no extra calls. The per-sample
 methods (``convgrad.per_sample.tuning``) are chosen by the same tuner, mode, cache and buckets.
 
 The cost of the first call: the screening, two calls of every option on the slice (for both
-gradients: each backend's grad_input and grad_weight, and the own backward of native and gemm),
+gradients: each backend's grad_input and grad_weight, and the own backward of native, gemm and fft),
 about a quarter of a call per option; afterwards, only the difference in speed while a slower
 survivor runs. Layers of the same configuration share one tuning, so a network pays once per
 distinct layer shape and batch bucket: about one steady step for a CIFAR ResNet-18
