@@ -196,3 +196,20 @@ def test_auto_forward_keeps_torchs_memory_format_whichever_candidate_serves(name
         assert ref.is_contiguous(memory_format=fmt) and not ref.is_contiguous()
     assert ours.stride() == ref.stride(), (name, last)
     torch.testing.assert_close(ours, ref, **TOL[torch.float32])
+
+
+@pytest.mark.usefixtures("tuned")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_auto_forward_keeps_torchs_memory_format_complex_and_transposed(dtype: torch.dtype, transposed: bool) -> None:
+    """review5: fft's forward chosen on a channels-last input, complex or transposed: torch's convolution gives channels
+    last there too (a complex one although its gradients come out contiguous)."""
+    x = torch.randn(2, 4, 9, 9, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    w, kw = torch.randn(4, 1, 7, 7, dtype=dtype), dict(padding=3, groups=4, stride=2)
+    spec = ConvSpec.from_shapes(x.shape, w.shape, transposed=transposed, **kw)  # type: ignore[arg-type]
+    auto._choices.remember(auto._key(spec, "forward", x), auto.Choice("fft", {}))
+    ours = auto.forward(spec, x, w, None)
+    ref = (torch.nn.functional.conv_transpose2d if transposed else torch.nn.functional.conv2d)(x, w, **kw)
+    assert ref.is_contiguous(memory_format=torch.channels_last) and not ref.is_contiguous()
+    assert ours.stride() == ref.stride()
+    torch.testing.assert_close(ours, ref, **TOL[torch.float32])

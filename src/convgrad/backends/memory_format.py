@@ -166,5 +166,6 @@ def output_like_torch(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor,
     """
     if output.numel() == 0 or (not torch.compiler.is_compiling() and any(_vmapped(t) for t in (input, weight))):
         return output
-    target = _targets(spec, input, input, weight)[0]
+    # a real stand-in for grad_output: torch's complex forward keeps the channels-last layout its gradients do not
+    target = _targets(spec, input.real if input.is_complex() else input, input, weight)[0]
     return output if isinstance(target, torch.Tensor) else _laid_out(output, target)  # type: ignore[return-value]
