@@ -200,3 +200,18 @@ def test_backend_with_every_transform_pruned_gradcheck_and_gradgradcheck(
         xs: tuple[int, ...], ws: tuple[int, ...], kw: dict, transposed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     _force(monkeypatch, True)
     assert_gradchecks("fft", xs, ws, kw, transposed=transposed)
+
+
+def test_a_phase_with_no_data_rows_runs_both_gradients() -> None:
+    """A stride whose phases hold no rows of x at all (M_j = 0: 2 rows, stride 3, padding (3, 0)): the phase split
+    must not infer its channels from an empty tensor. Found by `convgrad check --random 20 --seed 0` (to_phases
+    reshaped to (n, -1, *M))."""
+    kw = dict(stride=(2, 3, 3), padding=((3, 2), (3, 0), (0, 0)), dilation=(2, 2, 1), groups=2)
+    x, w = torch.randn(1, 4, 5, 2, 3, dtype=torch.float64), torch.randn(4, 2, 2, 2, 1, dtype=torch.float64)
+    gy = torch.randn(cg.ConvSpec.from_shapes(x.shape, w.shape, **kw).output_shape, dtype=torch.float64)
+    ref = cg.conv_backward(gy, x, w, **kw, backend="native")
+    for mask in ((True, True, False), (False, True, False), (True, False, False)):
+        ours = cg.conv_backward(gy, x, w, **kw, output_mask=mask, backend="fft")
+        for a, b, wanted in zip(ours, ref, mask):
+            if wanted:
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

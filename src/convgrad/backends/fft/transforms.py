@@ -118,7 +118,8 @@ def to_phases(x: torch.Tensor, dims: tuple[FftDim, ...], stride: Shape) -> torch
     for j, (d, s) in enumerate(zip(dims, stride)):
         if len(d.phases) < s:
             x = x.index_select(2 + j, torch.tensor(d.phases, device=x.device))  # (n, C, .., P_j, .., *M)
-    return x.reshape(n, -1, *rows)  # (n, C*P, *M)
+    # C*P spelled out, not -1: a phase may hold no rows (M_j = 0), and -1 cannot be inferred from 0 elements
+    return x.reshape(n, c * math.prod(x.shape[2:2 + nd]), *rows)  # (n, C*P, *M)
 
 
 def from_phases(t: torch.Tensor, dims: tuple[FftDim, ...], stride: Shape, channels: int) -> torch.Tensor:
