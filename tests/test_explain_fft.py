@@ -172,3 +172,17 @@ def test_cli_explain_method_fft_prints_the_steps_and_refuses_animate(tmp_path: P
     out, err = capsys.readouterr()
     assert "explain --animate: method='fft' has no frames for grad_weight" in err
     assert out == "" and not (tmp_path / "f.gif").exists()  # refused before the text is printed
+
+
+def test_fft_text_says_when_both_gradients_run_as_one_pass() -> None:
+    """The header says the two plans run as one pass exactly where the backend's backward fuses them
+    (``shares_spectra``): both gradients by fft on a layer whose kernel rows are one chunk; not with one gradient
+    by fft, nor on a dense layer sliced by kernel rows."""
+    line = "runs their two plans below as one pass"
+    assert line in str(_recipe("grouped", method="fft"))
+    assert line not in str(_recipe("grouped", weight_method="fft"))
+    from convgrad.backends.fft import plan, shares_spectra
+    from convgrad.spec import ConvSpec
+    dense = ConvSpec.from_shapes((2, 768, 500), (768, 48, 128), padding=64, groups=16)  # wav2vec 2.0: row slices
+    assert not shares_spectra(plan(dense, "grad_input"), plan(dense, "grad_weight"))
+    assert line not in str(cg.explain((2, 768, 500), (768, 48, 128), padding=64, groups=16, method="fft"))

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from convgrad.backends.fft import FftPlan
+from convgrad.backends.fft import FftPlan, shares_spectra
 from convgrad.errors import MethodRefused
 from convgrad.spec import ConvSpec, Shape
 
-__all__ = ["METHOD", "code_lines", "frames_refused", "is_fft", "plan_lines", "plot", "text_steps"]
+__all__ = ["METHOD", "code_lines", "frames_refused", "is_fft", "plan_lines", "plot", "shared_pass", "text_steps"]
 
 METHOD = "fft"
 # cell kinds of the picture, in colour order
@@ -31,6 +31,16 @@ COLOURS = ("#f2f2f2", "#4c78a8", "#54a24b", "#d9d9d9")
 def is_fft(plan: Any) -> bool:
     """Whether ``plan`` is one of the fft backend's plans."""
     return isinstance(plan, FftPlan)
+
+
+def shared_pass(plans: dict[str, Any]) -> list[str]:
+    """A line saying that the fft backend runs grad_input's and grad_weight's plans as one pass when both gradients
+    are asked for (``shares_spectra``: grad_output transformed once per chunk), else nothing."""
+    pi, pw = plans.get("grad_input"), plans.get("grad_weight")
+    if not (isinstance(pi, FftPlan) and isinstance(pw, FftPlan) and shares_spectra(pi, pw)):
+        return []
+    return ["when both gradients are asked for, the fft backend runs their two plans below as one pass: each chunk "
+            "of grad_output is transformed once and its spectrum read by both products (fft.execute_backward)"]
 
 
 def frames_refused(fn: str, gradient: str) -> MethodRefused:

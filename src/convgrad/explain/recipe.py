@@ -177,7 +177,7 @@ class Recipe:
             else f"{s.output_shape}"
         how = "the fwdconv backend's forward ops or the fft backend's steps" if self._fft() else "forward ops only"
         lines = [s.describe(), f"grad_output shape {shown}; every gradient below uses {how} "
-                               "(convgrad's backend runs exactly these steps)"]
+                               "(convgrad's backend runs exactly these steps)", *fft_view.shared_pass(self.plans)]
         starts = self._start_shapes()
         for name, plan in self.plans.items():
             lines += ["", *self._plan_lines(name, plan, starts)]
