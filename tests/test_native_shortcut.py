@@ -202,8 +202,10 @@ def test_auto_settled_on_another_backend_goes_through_convgrad(tuning: Any) -> N
 # ---- a module's memo of its last validation ----------------------------------------------------------------------
 
 def test_module_memo_follows_every_change_of_the_call() -> None:
-    """Mutants: _memoised serving whenever a memo exists (no key check) fails the stride, dtype and backend steps;
-    the bias's dtype or device left out of memo_key fails the bias steps; memoised without its fallback on torch's
+    """Mutants: the memo serving whenever a memo exists (no key check) fails the stride, dtype and backend steps;
+    each hyperparameter's identity check (stride, padding, dilation, groups, backend) or the padding_mode check left
+    out of the module's forward fails its step;
+    the bias's dtype or device left out of memo_key fails the bias steps; the forward without its fallback on torch's
     refusal fails the weight dtype and bias shape steps (torch's RuntimeError instead of convgrad's error)."""
     m = cg.nn.Conv2d(4, 4, 3, backend="native", dtype=F64)
     x = _X.clone()
@@ -230,6 +232,25 @@ def test_module_memo_follows_every_change_of_the_call() -> None:
     m(x)
     m.stride = (2, 2)
     torch.testing.assert_close(m(x), F.conv2d(x, m.weight, m.bias, stride=2))
+    m(x)
+    # each hyperparameter the memo compares by identity, changed on a memoised module
+    m.padding = (1, 1)
+    torch.testing.assert_close(m(x), F.conv2d(x, m.weight, m.bias, stride=2, padding=1))
+    m(x)
+    m.dilation = (2, 2)
+    torch.testing.assert_close(m(x), F.conv2d(x, m.weight, m.bias, stride=2, padding=1, dilation=2))
+    m(x)
+    m.padding_mode = "reflect"
+    torch.testing.assert_close(m(x), F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), m.weight, m.bias, stride=2,
+                                              dilation=2))
+    m.padding_mode = "zeros"
+    m(x)
+    m.groups = 2
+    with pytest.raises(ValueError, match=r"Conv2d: .*groups=2"):
+        m(x)
+    m.groups = 1
+    m.stride, m.padding, m.dilation = (1, 1), (0, 0), (1, 1)
+    m(x)  # the memo filled with these objects: only the backend changes below
     with pytest.raises(TypeError, match=r"Conv2d: weight\.dtype=torch\.float64 does not match input\.dtype="
                                         r"torch\.float32"):
         m(x.float())
@@ -322,15 +343,16 @@ def test_module_memo_does_not_serve_under_compile_nor_export() -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("backend, extra", [("native", 7), ("auto", 7)])
+@pytest.mark.parametrize("backend, extra", [("native", 6), ("auto", 6)])
 def test_a_memoised_module_call_adds_few_python_frames_to_torchs(backend: str, extra: int) -> None:
     """Forward + backward of a drop-in layer whose memo serves, against torch.nn.Conv2d's (issue 25, item 11): the
-    memo check (memoised, torch.compiler.is_dynamo_compiling, memo_key), torch_conv, and the no_weight_gradients
-    node hook (torch's _register_hook and RemovableHandle.__init__, drop_weight_gradient): 7; auto's state is read
-    inline (tuning.modes.generation, torch.get_num_threads), no frame more: 7 (9 before), at most (torch < 2.3,
-    without is_dynamo_compiling, runs one more: is_scripting). Mutants: the drop-in forward through torch's forward
-    again (super().forward); the memo's compile check by torch.compiler.is_compiling again (one frame more); the
-    memo's auto check by auto.memo_state() again: each fails it."""
+    memo check, inline in the module's forward (torch.compiler.is_dynamo_compiling, memo_key), torch_conv, and the
+    no_weight_gradients node hook (torch's _register_hook and RemovableHandle.__init__, drop_weight_gradient): 6 (7
+    while the check was a function of its own); auto's state is read inline (tuning.modes.generation,
+    torch.get_num_threads), no frame more: 6, at most (torch < 2.3, without is_dynamo_compiling, runs one more:
+    is_scripting). Mutants: the drop-in forward through torch's forward again (super().forward); the memo's compile
+    check by torch.compiler.is_compiling again (one frame more); the memo's auto check by auto.memo_state() again;
+    the check in a function of its own again (main's ``shortcut.memoised``): each fails it."""
     torch.manual_seed(0)
     x = torch.randn(1, 8, 10, 10, requires_grad=True)
     ref = torch.nn.Conv2d(8, 8, 1, stride=2)

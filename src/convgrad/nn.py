@@ -23,16 +23,30 @@ import torch
 import torch.nn.utils.parametrize as parametrize
 from torch import Tensor
 
+from convgrad.autograd import function
 from convgrad.autograd.calls import apply
 from convgrad.autograd.function import SCRIPT_UNSUPPORTED, shape_of
-from convgrad.autograd.shortcut import CallMemo, memoised
+from convgrad.autograd.shortcut import CallMemo, memo_key, torch_conv
 from convgrad.backends import get_backend
+from convgrad.backends.auto import dynamo_compiling
 from convgrad.checks import check_module
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad
+from convgrad.tuning import modes as tuning_modes
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "patch", "unpatch"]
+
+# looked up once: the memo check asks them on every call of every module. The compile check comes before the tracing
+# one, so Dynamo, for which it is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its two Python
+# frames). Dynamo's own query (auto's, one frame): the memo must not serve while Dynamo traces (a node hook is not
+# traceable); the rest of what is_compiling() counts (non-strict export, AOTAutograd's tracing) runs on tensor
+# subclasses, which memo_key refuses
+_is_compiling = dynamo_compiling
+_is_tracing = torch._C._is_tracing
+_autocast_enabled = torch._C._is_any_autocast_enabled
+# auto's memo_state inline (a call of it costs a Python frame on every call of every auto layer): same two values
+_get_num_threads = torch.get_num_threads
 
 
 class _ConvgradMixin:
@@ -83,12 +97,26 @@ class _ConvgradMixin:
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Forward conv through convgrad; non-zero padding modes pad explicitly by the spec's (lo, hi) pairs."""
-        memo = self.__dict__.get("_convgrad_memo")
-        if memo is not None and self.padding_mode == "zeros":  # the last call's validation serves this one
-            hyper = (self.stride, self.padding, self.dilation, False, 0, self.groups, self.backend)
-            out = memoised(memo, input, weight, bias, hyper, self.backend)
-            if out is not None:
-                return out
+        # The last call's validation serves this one (torch's convolution, see autograd.shortcut) where nothing it
+        # depends on changed: the very hyperparameter objects, the operands' key, auto's state; never under
+        # no_weight_gradients, autocast, Dynamo or jit's tracer. Inline (one caller) and reading the module's own
+        # attributes from its __dict__: Module's __getattr__ makes each attribute read a slot wrapper's call, several
+        # times a dict lookup; a missing one (None) just validates
+        attrs = self.__dict__
+        memo = attrs.get("_convgrad_memo")
+        if (memo is not None and memo.key is not None and attrs.get("padding_mode") == "zeros"
+                and not (function.weight_gradients_disabled or _autocast_enabled() or _is_compiling()
+                         or _is_tracing())):
+            hyper, backend = memo.hyper, attrs.get("backend")
+            # transposed and output_padding (hyper[3], hyper[4]) are False and 0 on every call that fills this memo
+            if (hyper[0] is attrs.get("stride") and hyper[1] is attrs.get("padding")
+                    and hyper[2] is attrs.get("dilation") and hyper[5] is attrs.get("groups") and hyper[6] is backend
+                    and memo_key(input, weight, bias) == memo.key
+                    and (backend != "auto" or memo.auto == (tuning_modes.generation, _get_num_threads()))):
+                try:
+                    return torch_conv(memo.spec, input, weight, bias, memo.args)
+                except RuntimeError:  # an operand memo_key leaves to torch does not fit: validate, for convgrad's error
+                    pass
         name, padding = self._name(), self.padding
         if self.padding_mode != "zeros":
             # the pads of 'same' depend on the input size, so they come from the spec at call time

@@ -1,23 +1,21 @@
 """The native shortcut: where the main Function would run nothing but torch's convolution, torch's convolution with
-its own autograd node; and ``CallMemo``, a convgrad module's memo of its last validated call (docs in each name)."""
+its own autograd node; and ``CallMemo``, a convgrad module's memo of its last validated call (docs in each name; the
+memo's check runs inline in ``convgrad.nn``'s forward, its one caller)."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 
 from convgrad.autograd import function
-from convgrad.backends.auto import dynamo_compiling as auto_dynamo_compiling
 from convgrad.backends.auto import fixed as auto_fixed
 from convgrad.backends.auto import memo_state as auto_memo_state
 from convgrad.backends.auto import settled_native as auto_settled_native
 from convgrad.spec import ConvSpec
-from convgrad.tuning import modes as tuning_modes
 
-__all__ = ["PARAMETER_TYPES", "CallMemo", "auto_state", "drop_weight_gradient", "memo_key", "memoised",
-           "native_throughout", "torch_conv"]
+__all__ = ["PARAMETER_TYPES", "CallMemo", "auto_state", "drop_weight_gradient", "memo_key", "native_throughout",
+           "torch_conv"]
 
 
 def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight: torch.Tensor,
@@ -38,7 +36,7 @@ def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight:
     elif backend != "auto":
         return False
     if (function.weight_gradients_disabled or input.is_complex() or not spec.is_symmetric or not input.is_contiguous()
-            or not weight.is_contiguous() or _is_tracing()):  # never asked while compiling (see _is_tracing)
+            or not weight.is_contiguous() or torch._C._is_tracing()):  # apply never asks it while Dynamo traces
         return False
     if backend == "native" or auto_fixed():
         return True
@@ -77,7 +75,7 @@ class CallMemo:
     # set together with key, when a call is memoised (annotations only: the slots hold them)
     args: tuple[Any, ...]
     auto: tuple[Any, ...] | None
-    hyper: tuple[Any, ...]
+    hyper: tuple[Any, ...]  # apply's (stride, padding, dilation, transposed, output_padding, groups, backend) objects
     spec: ConvSpec
 
     def __init__(self) -> None:
@@ -92,10 +90,10 @@ def memo_key(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     fake and traced tensors; layouts other than contiguous).
 
     Two are left to torch's convolution, which refuses every value that differs from the validated call's (a
-    weight dtype other than the input's, a bias shape other than ``(C_out,)``); ``memoised`` then validates the
-    call, so that the error is convgrad's. Each size read builds a torch.Size: about half a percent of a small
-    layer's forward and backward apiece. The rest torch would take silently (a bias of another dtype, an operand
-    on the meta device), so they stay in the key."""
+    weight dtype other than the input's, a bias shape other than ``(C_out,)``); the module's forward then
+    validates the call, so that the error is convgrad's. Each size read builds a torch.Size: about half a percent
+    of a small layer's forward and backward apiece. The rest torch would take silently (a bias of another dtype, an
+    operand on the meta device), so they stay in the key."""
     if (type(input) is not torch.Tensor or type(weight) not in PARAMETER_TYPES
             or (bias is not None and type(bias) not in PARAMETER_TYPES)
             or not input.is_contiguous() or not weight.is_contiguous()):
@@ -107,31 +105,3 @@ def memo_key(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def auto_state(backend: str) -> tuple[Any, ...] | None:
     """What a memoised answer of ``settled_native`` depends on, beyond the call: None where it does not apply."""
     return auto_memo_state() if backend == "auto" else None
-
-
-# looked up once: memoised asks them on every call of every module. The compile check comes before the tracing one,
-# so Dynamo, for which it is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its two Python
-# frames). Dynamo's own query (auto's, one frame): the memo must not serve while Dynamo traces (a node hook is not
-# traceable); the rest of what is_compiling() counts (non-strict export, AOTAutograd's tracing) runs on tensor
-# subclasses, which memo_key refuses
-_is_compiling = auto_dynamo_compiling
-_is_tracing = torch._C._is_tracing
-_autocast_enabled = torch._C._is_any_autocast_enabled
-# auto's memo_state inline (a call of it costs a Python frame on every call of every auto layer): same two values
-_get_num_threads = torch.get_num_threads
-
-
-def memoised(memo: CallMemo, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              hyper: tuple[Any, ...], backend: str) -> torch.Tensor | None:
-    """torch's convolution when the memo serves this call, else None."""
-    if (memo.key is None or function.weight_gradients_disabled or _autocast_enabled() or _is_compiling()
-            or _is_tracing()):
-        return None
-    if (not all(map(operator.is_, memo.hyper, hyper)) or memo_key(input, weight, bias) != memo.key
-            or (backend == "auto" and (tuning_modes.generation, _get_num_threads()) != memo.auto)):
-        return None
-    try:
-        return torch_conv(memo.spec, input, weight, bias, memo.args)
-    except RuntimeError:  # an operand memo_key leaves to torch does not fit: validate, for convgrad's error
-        return None
-
