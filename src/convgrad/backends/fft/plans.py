@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import cached_property
 
 from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows, padded_sizes
@@ -72,10 +71,11 @@ class FftPlan:
         """The frequency bins of a transform of ``sizes``: the last dim halved (+1) for real data (rfftn)."""
         return (*self.sizes[:-1], self.sizes[-1] // 2 + 1) if real else self.sizes
 
-    @cached_property
+    @property
     def phase_zeros(self) -> tuple[Pair, ...]:
         """Per dim the zero rows (c, e) around each phase's data rows in its L rows (``FftDim.phase_pads``): the pads
-        of the phases' transform, and the cuts of x's inverse before the phases are interleaved."""
+        of the phases' transform, and the cuts of x's inverse before the phases are interleaved. A plain property:
+        Dynamo cannot trace the lock of a ``functools.cached_property`` (the fft backward under torch.compile)."""
         return tuple(d.phase_pads(s)[1] for d, s in zip(self.dims, self.spec.stride))
 
     def cuts_to(self, rows: Shape) -> tuple[Pair, ...]:
