@@ -1,10 +1,12 @@
 """The fft backend's memory (issue 28: each call's peak at most 2x native's for the same layer).
 
 The fast tier checks the plans' arithmetic on every layer of the ``large`` bench suite: a group's kernel spectra are
-held at most a chunk budget at a time. The slow tier measures, at their real sizes, the two calls that were over 2x
-(the torch profiler's peak of live bytes, deterministic whatever the load): wav2vec2.posconv's forward (a group's
-spectra under the old row-slicing trigger, the weight's size) and wav2letter.k250s160's gradients (y's spectra of
-every row, and the previous slice's spectra, held while a slice was transformed).
+held at most a chunk budget at a time, and each plan's chunks (grad_weight's fewer groups where native's peak is a
+small scratch). The slow tier measures, at their real sizes, the calls that were over 2x (the torch profiler's peak
+of live bytes, deterministic whatever the load): wav2vec2.posconv's forward (a group's spectra under the old
+row-slicing trigger, the weight's size), wav2letter.k250s160's gradients (y's spectra of every row, and the previous
+slice's spectra, held while a slice was transformed), and the grad_weight of 3duxnet.dw7x7x7 and convnext.dw7x7
+(5 and 19 groups a chunk, sized by a quarter of x and y, where native's peak is 3.4 and 0.7 MiB).
 ``python benchmarks/large_kernels.py --memory-only`` gives the whole suite (benchmarks/results/fft_memory.md).
 """
 
@@ -39,6 +41,26 @@ def test_fft_holds_at_most_a_chunk_budget_of_one_groups_kernel_spectra(name: str
         assert held <= budget or p.row_chunk == 1, (gradient, p.row_chunk, held, budget)
 
 
+# per layer: (the forward's and grad_input's chunks, grad_weight's), (groups, samples); only where native's grad_weight
+# peak is far below a quarter of x and y (3D UX-Net, ConvNeXt) does grad_weight take fewer groups
+CHUNKS = {"replknet.dw31": ((19, 4), (19, 4)), "slak.dw51x5": ((11, 2), (11, 2)),
+          "unireplknet.dw13": ((35, 8), (35, 8)), "wav2vec2.posconv": ((1, 2), (1, 2)),
+          "hyena.long1d": ((25, 2), (25, 2)), "sincnet.k251": ((1, 1), (1, 1)),
+          "wav2letter.k250s160": ((1, 14), (1, 14)), "hifigan.up16s8": ((1, 1), (1, 1)),
+          "3duxnet.dw7x7x7": ((5, 1), (1, 1)), "convnext.dw7x7": ((19, 16), (1, 16)),
+          "resnet50.3x3@28": ((1, 3), (1, 3))}
+
+
+def test_fft_chunks_of_every_large_layer() -> None:
+    """The exact chunks of every plan of the large suite: grad_weight's groups are cut to what fits
+    ``WEIGHT_CHUNK_RESULTS`` weights on 3D UX-Net (5 -> 1) and ConvNeXt (19 -> 1) only; every other layer, and every
+    forward and grad_input, keeps the chunks of a quarter of its x and y (so fft's speed there is unchanged)."""
+    assert sorted(CHUNKS) == sorted(LARGE)
+    got = {name: ((fft.plan(spec, "output").chunks, fft.plan(spec, "grad_input").chunks),
+                  fft.plan(spec, "grad_weight").chunks) for name, spec in LARGE.items()}
+    assert got == {name: ((side, side), weight) for name, (side, weight) in CHUNKS.items()}
+
+
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "large_kernels.py"
@@ -50,7 +72,8 @@ def bench() -> ModuleType:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, call", [("wav2vec2.posconv", "forward"), ("wav2letter.k250s160", "grad_input"),
-                                        ("wav2letter.k250s160", "grad_weight"), ("wav2letter.k250s160", "forward")])
+                                        ("wav2letter.k250s160", "grad_weight"), ("wav2letter.k250s160", "forward"),
+                                        ("3duxnet.dw7x7x7", "grad_weight"), ("convnext.dw7x7", "grad_weight")])
 def test_fft_peak_is_at_most_twice_natives(bench: ModuleType, name: str, call: str) -> None:
     """The real layer, float32, 2 threads: fft's peak of live bytes during the call is at most 2x native's."""
     threads = torch.get_num_threads()

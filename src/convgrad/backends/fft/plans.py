@@ -14,13 +14,17 @@ from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows, padded_sizes
 from convgrad.spec.chunks import fft_kernel_rows
 
-__all__ = ["CHUNK_MIN_REALS", "KINDS", "FftPlan", "FftStep", "plan"]
+__all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_CHUNK_RESULTS", "FftPlan", "FftStep", "plan"]
 
 Shape = tuple[int, ...]
 KINDS = ("y_from_x", "x_from_y", "w_from_xy")
 # One chunk's spectra hold about max(CHUNK_MIN_REALS, a quarter of the layer's x and y elements) reals: with the
 # inverse transform and the result beside them, a backward's peak stays near native's (benchmarks/large_kernels.py).
 CHUNK_MIN_REALS = 2**18
+# grad_weight's result is the weight, and native's peak there is a scratch that does not grow with the batch, far
+# under a quarter of x and y on depthwise layers of small kernels and large planes; so a grad_weight chunk also holds
+# no more groups than fit this many weights' elements (fft_memory.md: 3D UX-Net's 48 groups of 54^3 bins)
+WEIGHT_CHUNK_RESULTS = 32
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,9 @@ class FftPlan:
 def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     """The plan of ``gradient`` (grad_input, grad_weight, or output: the convolution itself) for ``spec``.
 
+    Chunks (``ConvSpec.fft_chunks``) hold about ``max(CHUNK_MIN_REALS, spec.side_elements // 4)`` reals of spectra;
+    grad_weight's also no more groups than fit ``WEIGHT_CHUNK_RESULTS`` times the weight's elements (at least one).
+
     Raises:
         ValueError: an unknown gradient.
 
@@ -114,6 +121,9 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         >>> p = plan(ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256), "output")
         >>> p.kind, p.sizes, [s.name for s in p.steps]
         ('y_from_x', (45, 48), ['pad', 'phases', 'taps', 'transform', 'product', 'inverse', 'crop'])
+        >>> uxnet = ConvSpec.from_shapes((1, 48, 48, 48, 48), (48, 1, 7, 7, 7), padding=3, groups=48)
+        >>> plan(uxnet, "output").chunks, plan(uxnet, "grad_weight").chunks
+        ((5, 1), (1, 1))
     """
     kinds = {"grad_input": "y_from_x" if spec.transposed else "x_from_y", "grad_weight": "w_from_xy",
              "output": "x_from_y" if spec.transposed else "y_from_x"}
@@ -123,6 +133,9 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     p = math.prod([len(d.phases) for d in dims])
     budget = max(CHUNK_MIN_REALS, spec.side_elements // 4)
     chunks = spec.fft_chunks(p, budget)
+    if gradient == "grad_weight":  # fewer groups only: at least one, and the samples the budget gives
+        most = spec.fft_chunks(p, WEIGHT_CHUNK_RESULTS * math.prod(spec.weight_shape))[0]
+        chunks = (min(chunks[0], most), chunks[1])
     a, b = spec.y_channels // spec.groups, spec.x_channels // spec.groups * p
     # a group's kernel spectra over the chunk budget (C_y/g (C_x/g) P F complex) are held a slice of rows at a time,
     # so that fft's peak stays near native's (issue 28's memory target)
