@@ -49,9 +49,8 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options (all have defaults)."""
     parser.add_argument("--suite", default="default",
-                        help="suite of layers: default, slow (layers users report slow), all (both), large (large kernels, "
-                             "where the fft backend pays) or smoke "
-                             "(default: default)")
+                        help="suite of layers: default, slow (layers users report slow), all (both), "
+                             "large (large kernels, where the fft backend pays) or smoke (default: default)")
     parser.add_argument("--list", action="store_true", help="print the layers the run would time, then exit")
     parser.add_argument("--layers", nargs="+", metavar="PATTERN", help="only layers whose name matches a glob")
     parser.add_argument("--backends", nargs="+", metavar="NAME",
