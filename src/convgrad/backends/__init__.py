@@ -57,6 +57,11 @@ class Backend(ABC):
         times it and checks its result against native's."""
         return True
 
+    def can_serve_forward(self, spec: ConvSpec, like: torch.Tensor) -> bool:
+        """Whether "auto" should race this backend's ``forward`` (a backend that has one) for this layer: its
+        ``can_serve`` unless a backend's forward has a rule of its own (fwdconv's padded forward)."""
+        return self.can_serve(spec, like)
+
     def check_operand(self, fn: str, name: str, t: torch.Tensor) -> None:
         """Raise TypeError (a dtype) or ValueError (a device) where this backend cannot compute with ``t``,
         naming ``fn``, the tensor's ``name`` and the value; called on every tensor a user passes."""

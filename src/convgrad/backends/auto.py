@@ -207,10 +207,10 @@ def memo_state() -> tuple[int, int]:
 
 def _forward_candidates(spec: ConvSpec, like: torch.Tensor) -> list[Backend]:
     """The candidates with a forward of their own (fft, fwdconv's padded input) that may differ from native here:
-    a backend's ``can_serve_forward`` where it has one (fwdconv is raced for the gradients everywhere, its forward
-    only where a large padding sends native to a slower kernel), else its ``can_serve``."""
+    ``Backend.can_serve_forward`` (fwdconv is raced for the gradients everywhere, its forward only where a large
+    padding sends native to a slower kernel)."""
     return [b for b in candidates(spec, like) if b.name != "native" and hasattr(b, "forward")
-            and getattr(b, "can_serve_forward", b.can_serve)(spec, like)]
+            and b.can_serve_forward(spec, like)]
 
 
 # Positive answers of settled_native and of "is the choice for this gradient a settled native": a memo key ->

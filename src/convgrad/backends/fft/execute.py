@@ -89,13 +89,16 @@ def _kernel_bins(p: FftPlan, kernel: torch.Tensor, g0: int, g1: int, r0: int, r1
     return wf.reshape(g1 - g0, r1 - r0, b, -1)  # (g', r', B, F)
 
 
-def _group_chunks(p: FftPlan, kernel: torch.Tensor, reverse: bool, real: bool
+def _group_chunks(p: FftPlan, kernel: torch.Tensor, reverse: bool, real: bool, samples: int = 1
                   ) -> Iterator[tuple[int, int, torch.Tensor | None]]:
     """The chunks (g0, g1) of groups, each with its kernel spectra (``_kernel_bins``) when the kernel rows are one
-    chunk (then its sample chunks share them), else None (each row chunk transforms its own rows)."""
-    a = p.group_channels[0]
+    chunk (then its ``samples`` sample chunks share them), else None (each row chunk transforms its own rows)."""
+    a, _, b = p.group_channels
     for g0, g1 in chunk_ranges(p.spec.groups, p.chunks[0]):
-        yield g0, g1, _kernel_bins(p, kernel, g0, g1, 0, a, reverse, real) if p.row_chunk >= a > 0 else None
+        whole = _kernel_bins(p, kernel, g0, g1, 0, a, reverse, real) if p.row_chunk >= a > 0 else None
+        if whole is not None and reverse and samples > 1 and b == 1:  # W(-f) of real data is a lazy conj, which
+            whole = whole.resolve_conj()  # the broadcast product resolves per sample chunk (SincNet: 8 copies, not 1)
+        yield g0, g1, whole
 
 
 def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor, real: bool) -> torch.Tensor:
@@ -106,9 +109,7 @@ def _y_from_x(p: FftPlan, x: torch.Tensor, w: torch.Tensor, real: bool) -> torch
     row_ranges = chunk_ranges(a, p.row_chunk)
     sample_ranges = chunk_ranges(spec.batch, p.chunks[1])
     cuts = p.cuts_to(spec.y_size)  # the inverse keeps the first o rows
-    for g0, g1, whole in _group_chunks(p, kernel, True, real):
-        if whole is not None and len(sample_ranges) > 1 and b == 1:  # W(-f) of real data is a lazy conj, which
-            whole = whole.resolve_conj()  # the broadcast product resolves per sample chunk (SincNet: 8 copies, not 1)
+    for g0, g1, whole in _group_chunks(p, kernel, True, real, len(sample_ranges)):
         for n0, n1 in sample_ranges:
             part = sliced(x, [slice(n0, n1), slice(g0 * b0, g1 * b0)], 0)  # (n', g'*B0, *i)
             xf = tf.forward_transform(tf.to_phases(part, dims, spec.stride), sizes, p.phase_zeros)  # (n', g'*B, *bins)
@@ -293,13 +294,11 @@ def _both_from_y(pi: FftPlan, pw: FftPlan, y: torch.Tensor, x: torch.Tensor, w: 
 def _both_from_x(pi: FftPlan, pw: FftPlan, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, real: bool
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A transposed conv's backward: x = grad_output shared, y = input, w = the weight."""
-    spec, (a, _, b) = pi.spec, pi.group_channels
+    spec, a = pi.spec, pi.group_channels[0]
     kernel = _kernel(pi, w)  # (C_y, B, *Q)
     gi, parts = _Output(spec.y_shape, _several(pi), x, w), []
     sample_ranges = chunk_ranges(spec.batch, pi.chunks[1])
-    for g0, g1, whole in _group_chunks(pi, kernel, True, real):
-        if len(sample_ranges) > 1 and b == 1:  # W(-f)'s lazy conj resolved once, as in _y_from_x
-            whole = whole.resolve_conj()  # type: ignore[union-attr]
+    for g0, g1, whole in _group_chunks(pi, kernel, True, real, len(sample_ranges)):
         acc: torch.Tensor | None = None
         for n0, n1 in sample_ranges:
             xf = _x_bins(pi, x, n0, n1, g0, g1)  # (n', g', B, F), the one transform of x
