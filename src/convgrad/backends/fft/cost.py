@@ -87,7 +87,7 @@ def normwise_bound(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, gr
     """
     x, y = (grad_output, input) if spec.transposed else (input, grad_output)
     g, n = spec.groups, spec.batch
-    a, b = spec.y_channels // g, spec.x_channels // g
+    a, b = spec.y_group_channels, spec.x_group_channels
     x2 = x.abs().reshape(n, g, b, math.prod(spec.x_size)).norm(dim=-1)  # (N, g, B0)
     y2 = y.abs().reshape(n, g, a, math.prod(spec.y_size)).norm(dim=-1)  # (N, g, A)
     y1 = y.abs().reshape(n, g, a, math.prod(spec.y_size)).sum(-1)  # (N, g, A)

@@ -91,7 +91,7 @@ def weight_grads(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     """
     dtype = x.dtype
     x, y = _computed(x, y)
-    a = spec.y_channels // spec.groups
+    a = spec.y_group_channels
     out = x.new_empty(spec.batch, spec.groups, a, *spec.weight_shape[1:])  # (N, g, A, C_x/g, *k)
     for (n, g, c), part in _blocks(spec, x, y):
         out[n, g, c] = part

@@ -62,7 +62,7 @@ class FftPlan:
     @property
     def row_chunk(self) -> int:
         """The kernel rows per chunk: ``rows``, or all C_y/g when 0. Fewer than all only with one group per chunk."""
-        return self.rows or self.spec.y_channels // self.spec.groups
+        return self.rows or self.spec.y_group_channels
 
     @property
     def phase_count(self) -> int:
@@ -90,8 +90,8 @@ class FftPlan:
     @property
     def group_channels(self) -> tuple[int, int, int]:
         """(A, B0, B): y channels per group, x channels per group, and x channels per group times the live phases."""
-        b0 = self.spec.x_channels // self.spec.groups
-        return self.spec.y_channels // self.spec.groups, b0, b0 * self.phase_count
+        b0 = self.spec.x_group_channels
+        return self.spec.y_group_channels, b0, b0 * self.phase_count
 
     def describe(self) -> str:
         return "\n".join(f"{j + 1}. {s.describe()}" for j, s in enumerate(self.steps))
@@ -137,7 +137,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     if gradient == "grad_weight":  # fewer groups only: at least one, and the samples the budget gives
         most = spec.fft_chunks(p, WEIGHT_CHUNK_RESULTS * math.prod(spec.weight_shape))[0]
         chunks = (min(chunks[0], most), chunks[1])
-    a, b = spec.y_channels // spec.groups, spec.x_channels // spec.groups * p
+    a, b = spec.y_group_channels, spec.x_group_channels * p
     # a group's kernel spectra over the chunk budget (C_y/g (C_x/g) P F complex) are held a slice of rows at a time,
     # so that fft's peak stays near native's (issue 28's memory target)
     rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
