@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 
 from convgrad.errors import ConvgradValueError
-from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows, padded_sizes
+from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows
 from convgrad.spec.chunks import fft_kernel_rows
 
 __all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_CHUNK_RESULTS", "FftPlan", "FftStep", "plan"]
@@ -153,7 +153,7 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
     q, sizes, zeros = tuple(d.taps for d in dims), plan.sizes, plan.phase_zeros
     phases = tuple(d.phases for d in dims)
     whole = tuple(d.phase_pads(s)[0] for d, s in zip(dims, spec.stride))
-    rows = tuple(m // s for m, s in zip(padded_sizes(spec.x_size, whole), spec.stride))  # M per phase
+    rows = tuple(d.whole_rows(s) for d, s in zip(dims, spec.stride))  # M per phase
     pruned = ("pruned on large grids where the data fills few of the rows before the last dim (transforms.PRUNE_FILL): "
               "the last dim first over the data's rows only, then each earlier dim, each padded as it is reached")
     inverse = ("inverse transform and cut, pruned on large grids (transforms.PRUNE_MIN_POINTS): the earlier dims "
