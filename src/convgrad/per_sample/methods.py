@@ -88,7 +88,7 @@ def choose_method(spec: ConvSpec, norms: bool) -> str:
     (depthwise-like layers): then "conv", one grouped convolution with no im2col at all.
     """
     p, t, g, cx, cy = spec.positions, spec.taps, spec.groups, spec.x_channels, spec.y_channels
-    direct, ghost = p * cy * cx * t // g, p * p * (cy + cx * t)
+    direct, ghost = p * cy * spec.x_group_channels * t, p * p * (cy + cx * t)
     if fft.worth_trying(spec) and fft.estimate_flops(spec) / 2 / spec.batch < min(direct, ghost if norms else direct):
         return "fft"
     if norms and ghost < direct:

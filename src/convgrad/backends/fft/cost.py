@@ -34,9 +34,9 @@ def estimate_flops(spec: ConvSpec) -> tuple[float, float]:
     p = math.prod([len(d.phases) for d in dims])
     volume = math.prod([d.size for d in dims])
     bins = volume // dims[-1].size * (dims[-1].size // 2 + 1)
-    n, cx, cy, g = spec.batch, spec.x_channels, spec.y_channels, spec.groups
-    transforms = 2 * (n * cy + n * cx * p) + 2 * cy * (cx // g) * p
-    products = 2 * n * cy * (cx // g) * p * bins
+    n, cx, cy, cxg = spec.batch, spec.x_channels, spec.y_channels, spec.x_group_channels
+    transforms = 2 * (n * cy + n * cx * p) + 2 * cy * cxg * p
+    products = 2 * n * cy * cxg * p * bins
     return 2.5 * volume * math.log2(max(volume, 2)) * transforms + 8.0 * products, 4.0 * spec.macs()
 
 

@@ -141,8 +141,8 @@ def estimate_flops(spec: ConvSpec) -> float:
     p = math.prod([len(d.phases) for d in dims])
     volume = math.prod([d.size for d in dims])
     bins = volume // dims[-1].size * (dims[-1].size // 2 + 1)
-    n, cx, cy, g = spec.batch, spec.x_channels, spec.y_channels, spec.groups
-    products = n * cy * (cx // g) * p
+    n, cx, cy = spec.batch, spec.x_channels, spec.y_channels
+    products = n * cy * spec.x_group_channels * p
     transforms = n * (cx * p + cy) + products
     return 2.5 * volume * math.log2(max(volume, 2)) * transforms + 6.0 * products * bins
 

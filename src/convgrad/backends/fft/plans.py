@@ -151,6 +151,7 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
     spec, kind, dims, p = plan.spec, plan.kind, plan.dims, plan.phase_count
     n, cx, cy, g, nd = spec.batch, spec.x_channels, spec.y_channels, spec.groups, spec.n
     q, sizes, zeros = tuple(d.taps for d in dims), plan.sizes, plan.phase_zeros
+    _, b0, b = plan.group_channels
     phases = tuple(d.phases for d in dims)
     whole = tuple(d.phase_pads(s)[0] for d, s in zip(dims, spec.stride))
     rows = tuple(d.whole_rows(s) for d, s in zip(dims, spec.stride))  # M per phase
@@ -164,7 +165,7 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
                FftStep("phases", f"split x into the live phases {phases} of stride {spec.stride}, as channels",
                        (n, cx * p, *rows)))
     w_steps = (FftStep("taps", f"place each tap t at slot (phase, t*d div s) of a {q} kernel per phase",
-                       (cy, cx // g * p, *q), ("wp = tf.place_taps(w, dims)  # (C_y, B, *Q)",)),)
+                       (cy, b, *q), ("wp = tf.place_taps(w, dims)  # (C_y, B, *Q)",)),)
     contraction = f"per bin, {g} groups as a batch dim"
     if kind == "y_from_x":
         cuts = plan.cuts_to(spec.y_size)
@@ -199,11 +200,11 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
                     f"{pruned}", (n, cx * p, *sizes),
                     (f"xf = tf.forward_transform(xs, sizes, {zeros}).reshape(n, g, B, -1)  # (n, g, B, F)",
                      f"yf = tf.reversed_spectrum(tf.forward_transform(y, sizes), {nd}, True).reshape(n, g, A, -1)")),
-            FftStep("product", f"W[a,b] = sum_n Y(-f)[n,a] X[n,b], {contraction}", (cy, cx // g * p, *sizes),
+            FftStep("product", f"W[a,b] = sum_n Y(-f)[n,a] X[n,b], {contraction}", (cy, b, *sizes),
                     ("wf = tf.w_bins(xf, yf).reshape(g * A, B, *bins)  # (C_y, B, *bins)",)),
-            FftStep("inverse", f"{inverse}: cuts {cuts}", (cy, cx // g * p, *q),
+            FftStep("inverse", f"{inverse}: cuts {cuts}", (cy, b, *q),
                     (f"wq = tf.inverse_transform(wf, sizes, True, {cuts})  # (C_y, B, *Q)",)),
             FftStep("crop", f"keep the first Q = {q} slots (the correlation's lags): the inverse's cuts",
-                    (cy, cx // g * p, *q)),
+                    (cy, b, *q)),
             FftStep("taps", "read each tap t from its slot", spec.weight_shape,
-                    (f"out = tf.read_taps(wq, dims, {cx // g})  # (C_y, C_x/g, *k)",)))
+                    (f"out = tf.read_taps(wq, dims, {b0})  # (C_y, C_x/g, *k)",)))
