@@ -13,6 +13,8 @@ import convgrad as cg
 from convgrad import tuning
 from convgrad.backends import auto, fft, get_backend
 from convgrad.backends.fft import plans as fft_plans
+from convgrad.errors import ConvgradValueError
+from convgrad.spec import ConvSpec
 from convgrad.tuning import tuner
 from helpers import Case, assert_gradchecks, grid_cases, make_tensors
 from test_fft import LARGE, ROW_CHUNKED
@@ -167,3 +169,24 @@ def test_auto_tune_both_offers_ffts_own_backward_on_a_large_depthwise_layer(fuse
     gi, gw = offered[2]["fft"](4)  # type: ignore[operator]  # the option: fft's own backward on 4 samples
     assert fused == [1] and gi.shape == (4, 8, 40, 40) and gw.shape == (8, 1, 31, 31)
     assert choice.backend == "fft"
+
+
+def test_fft_execute_and_execute_backward_refuse_mismatched_plans_and_shapes_with_a_value_error() -> None:
+    """Swapped plans ran silently through the wrong pass, plans of a dense layer sliced by kernel rows failed with an
+    AttributeError deep in the product, and a tensor of another shape in a reshape: each is a ValueError naming the
+    function and the parameter."""
+    spec = ConvSpec.from_shapes((2, 4, 30), (4, 1, 9), padding=4, groups=4)
+    pi, pw = fft.plan(spec, "grad_input"), fft.plan(spec, "grad_weight")
+    gy, x, w = torch.randn(2, 4, 30), torch.randn(2, 4, 30), torch.randn(4, 1, 9)
+    kernel_7 = fft.plan(ConvSpec.from_shapes((2, 4, 30), (4, 1, 7), padding=3, groups=4), "grad_weight")
+    dense = ConvSpec.from_shapes((2, 64, 28, 28), (64, 64, 31, 31), padding=15)
+    sliced = fft.plan(dense, "grad_input"), fft.plan(dense, "grad_weight")
+    for a, b in [(pw, pi), (pi, kernel_7), sliced]:
+        with pytest.raises(ConvgradValueError, match=r"fft\.execute_backward: pi="):
+            fft.execute_backward(a, b, gy, x, w)
+    with pytest.raises(ConvgradValueError, match=r"fft\.execute_backward: weight.shape=\(4, 1, 7\)"):
+        fft.execute_backward(pi, pw, gy, x, w[..., :7])
+    with pytest.raises(ConvgradValueError, match=r"fft\.execute: data.shape=\(2, 4, 29\)"):
+        fft.execute(pi, gy[..., :29], w)
+    with pytest.raises(ConvgradValueError, match=r"fft\.execute: other.shape=\(2, 4, 29\)"):
+        fft.execute(pw, x, gy[..., :29])

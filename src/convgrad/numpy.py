@@ -233,7 +233,7 @@ def backward(spec: ConvSpec, grad_output: Array, input: Array | None, weight: Ar
 
 def _wmat(spec: ConvSpec, weight: Array) -> Array:
     """(C_y, C_x/g, *k) -> (g, A, B)."""
-    return weight.reshape(spec.groups, spec.y_channels // spec.groups, -1)
+    return weight.reshape(spec.groups, spec.y_group_channels, -1)
 
 
 def _cols(spec: ConvSpec, x: Array) -> Array:
@@ -242,14 +242,14 @@ def _cols(spec: ConvSpec, x: Array) -> Array:
     xr = _pad(x, spec.x_read_pads)  # (N, C_x, *x_read_size)
     win = sliding_window_view(xr, spec.kernel_extent, axis=tuple(range(2, 2 + n)))  # (N, C_x, *pos, *extent)
     win = win[(..., *(slice(None, None, s) for s in spec.stride), *(slice(None, None, d) for d in spec.dilation))]
-    win = win.reshape(nb, g, spec.x_channels // g, *win.shape[2:])  # (N, g, C_x/g, *o, *k)
+    win = win.reshape(nb, g, spec.x_group_channels, *win.shape[2:])  # (N, g, C_x/g, *o, *k)
     win = win.transpose(1, 2, *range(3 + n, 3 + 2 * n), 0, *range(3, 3 + n))  # (g, C_x/g, *k, N, *o)
-    return win.reshape(g, (spec.x_channels // g) * spec.taps, nb * spec.positions)
+    return win.reshape(g, spec.x_group_channels * spec.taps, nb * spec.positions)
 
 
 def _fold(spec: ConvSpec, cols: Array, nb: int) -> Array:
     """col2im, the adjoint of ``_cols``: (g, B, N*P) -> x (N, C_x, *i)."""
-    g, cg, k = spec.groups, spec.x_channels // spec.groups, spec.kernel_size
+    g, cg, k = spec.groups, spec.x_group_channels, spec.kernel_size
     cols = cols.reshape(g, cg, *k, nb, *spec.y_size)  # (g, C_x/g, *k, N, *o)
     xr = np.zeros((g, cg, nb, *spec.x_read_size), dtype=cols.dtype)  # (g, C_x/g, N, *x_read_size)
     for tap in itertools.product(*(range(kj) for kj in k)):
@@ -260,7 +260,7 @@ def _fold(spec: ConvSpec, cols: Array, nb: int) -> Array:
 
 def _ymat(spec: ConvSpec, y: Array) -> Array:
     """y (N, C_y, *o) -> (g, A, N*P)."""
-    g, a, nb = spec.groups, spec.y_channels // spec.groups, y.shape[0]
+    g, a, nb = spec.groups, spec.y_group_channels, y.shape[0]
     y = y.reshape(nb, g, a, spec.positions)  # (N, g, A, P)
     return y.transpose(1, 2, 0, 3).reshape(g, a, nb * spec.positions)  # (g, A, N*P)
 

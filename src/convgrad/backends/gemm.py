@@ -85,7 +85,7 @@ def chunking(spec: ConvSpec, itemsize: int, max_workspace_bytes: int) -> tuple[i
     """
     limit = min(max_workspace_bytes, CHUNK_TARGET_BYTES)
     per_channel = spec.groups * spec.taps * spec.positions * itemsize
-    channels, batch = spec.x_channels // spec.groups, max(spec.batch, 1)
+    channels, batch = spec.x_group_channels, max(spec.batch, 1)
     samples = limit // (per_channel * channels)
     if samples >= 1:
         return equal_chunk(batch, samples), channels
@@ -96,7 +96,7 @@ def _windows(spec: ConvSpec, x: torch.Tensor) -> torch.Tensor:
     """The dilated windows of x (Nc, C_x, *i) as a view (g, C_x/g, *k, Nc, *o); no copy yet."""
     n, g = spec.n, spec.groups
     xr = windows(pad(x, spec.x_read_pads), spec.kernel_size, spec.stride, spec.dilation)  # (Nc, C_x, *o, *k)
-    xr = xr.view(xr.shape[0], g, spec.x_channels // g, *xr.shape[2:])  # (Nc, g, C_x/g, *o, *k)
+    xr = xr.view(xr.shape[0], g, spec.x_group_channels, *xr.shape[2:])  # (Nc, g, C_x/g, *o, *k)
     return xr.permute(1, 2, *range(3 + n, 3 + 2 * n), 0, *range(3, 3 + n))  # (g, C_x/g, *k, Nc, *o)
 
 
@@ -137,8 +137,8 @@ def _x_tensor(spec: ConvSpec, xr: torch.Tensor) -> torch.Tensor:
 def _y_matrix(spec: ConvSpec, y: torch.Tensor) -> torch.Tensor:
     """y (Nc, C_y, *o) -> (g, C_y/g, Nc * P)."""
     g = spec.groups
-    y = y.reshape(y.shape[0], g, spec.y_channels // g, -1)  # (Nc, g, C_y/g, P)
-    return y.permute(1, 2, 0, 3).reshape(g, spec.y_channels // g, -1)  # (g, C_y/g, Nc*P)
+    y = y.reshape(y.shape[0], g, spec.y_group_channels, -1)  # (Nc, g, C_y/g, P)
+    return y.permute(1, 2, 0, 3).reshape(g, spec.y_group_channels, -1)  # (g, C_y/g, Nc*P)
 
 
 def _y_tensor(spec: ConvSpec, ymat: torch.Tensor, nc: int) -> torch.Tensor:
@@ -183,10 +183,10 @@ class GemmBackend(FusedBackend):
             return (like.new_zeros(spec.input_shape) if need_input else None,
                     like.new_zeros(spec.weight_shape) if need_weight else None)
         samples, channels = chunking(spec, like.element_size(), self.max_workspace_bytes)
-        cg, taps = spec.x_channels // spec.groups, spec.taps
+        cg, taps = spec.x_group_channels, spec.taps
         blocks = [slice(c, min(c + channels, cg)) for c in range(0, cg, channels)]
         # (g, C_y/g, C_x/g*T), and its column ranges per channel block
-        wmat = None if weight is None else weight.reshape(spec.groups, spec.y_channels // spec.groups, -1)
+        wmat = None if weight is None else weight.reshape(spec.groups, spec.y_group_channels, -1)
         wcols = [slice(b.start * taps, b.stop * taps) for b in blocks]
         starts = range(0, spec.batch, samples)
         # several chunks write their part of grad_input into one tensor (a fresh big buffer per call is costly)
@@ -215,7 +215,7 @@ class GemmBackend(FusedBackend):
         """Forward conv, x = input, y = grad_output: grad_x by fold, grad_weight per channel block."""
         ymat = _y_matrix(spec, grad_output)  # (g, A, Nc*P)
         win = _windows(spec, input) if need_weight else None  # type: ignore[arg-type]
-        xr_shape = (spec.groups, spec.x_channels // spec.groups, grad_output.shape[0], *spec.x_read_size)
+        xr_shape = (spec.groups, spec.x_group_channels, grad_output.shape[0], *spec.x_read_size)
         # a 1x1 kernel with stride 1 reads every position once: the fold is the identity
         identity = len(blocks) == 1 and spec.taps == 1 and spec.x_read_size == spec.y_size
         xr = batched_like(grad_output.new_zeros(xr_shape), wmat) if need_input and not identity else None

@@ -40,7 +40,7 @@ MAX_MERGE = 4  # merging m groups costs m times the multiply-adds
 def merge_factor(spec: ConvSpec) -> int:
     """The fewest groups to merge so that a merged group holds at least VECTOR_CHANNELS input and output channels
     (1: none needed, or none that divides the groups within MAX_MERGE)."""
-    per_group = min(spec.in_channels, spec.out_channels) // spec.groups
+    per_group = min(spec.x_group_channels, spec.y_group_channels)
     for m in range(1, MAX_MERGE + 1):
         if spec.groups % m == 0 and m * per_group >= VECTOR_CHANNELS:
             return m

@@ -118,13 +118,13 @@ class Scene:
         """The group a result channel belongs to."""
         s = self.spec
         if self.direction == "w" or self.direction == "y":
-            return channel[0] // (s.y_channels // s.groups)
-        return channel[0] // (s.x_channels // s.groups)
+            return channel[0] // s.y_group_channels
+        return channel[0] // s.x_group_channels
 
     def channel_pairs(self, channel: Index) -> tuple[tuple[int, Index], ...]:
         """The (data channel, kernel channel index) pairs summed into this result channel."""
         s = self.spec
-        cxg, cyg = s.x_channels // s.groups, s.y_channels // s.groups
+        cxg, cyg = s.x_group_channels, s.y_group_channels
         group = self.group_of(channel)
         if self.direction == "w":  # grad_weight[c_y, c_x/g]: x channel group*C_x/g + c_x/g times y channel c_y
             return ((group * cxg + channel[1], (channel[0],)),)

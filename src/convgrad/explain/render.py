@@ -273,8 +273,8 @@ def _channels(ax: Axes, lay: Layout, frame: Frame) -> list:
     """Data channels and result channels as boxes coloured by group; the ones this frame sums, outlined."""
     sc, out, y = lay.scene, [], lay.rows["channels"]
     s = sc.spec
-    data_c = s.y_channels if sc.direction == "x" else s.x_channels
-    data_g = data_c // s.groups
+    data_c, data_g = ((s.y_channels, s.y_group_channels) if sc.direction == "x"
+                      else (s.x_channels, s.x_group_channels))
     groups_of_result = [sc.group_of(c) for c in sc.result_channels()]
     feeding = {c for c, _ in frame.channels}
     x, box = MARGIN, 20

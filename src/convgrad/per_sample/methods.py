@@ -88,7 +88,7 @@ def choose_method(spec: ConvSpec, norms: bool) -> str:
     (depthwise-like layers): then "conv", one grouped convolution with no im2col at all.
     """
     p, t, g, cx, cy = spec.positions, spec.taps, spec.groups, spec.x_channels, spec.y_channels
-    direct, ghost = p * cy * cx * t // g, p * p * (cy + cx * t)
+    direct, ghost = p * cy * spec.x_group_channels * t, p * p * (cy + cx * t)
     if fft.worth_trying(spec) and fft.estimate_flops(spec) / 2 / spec.batch < min(direct, ghost if norms else direct):
         return "fft"
     if norms and ghost < direct:
@@ -197,7 +197,7 @@ def im2col(spec: ConvSpec, x: torch.Tensor, reuse: bool = False) -> torch.Tensor
         buf = (scratch if reuse else empty)(tuple(x.shape), x).copy_(x)  # (n, C_x, *k, *o), contiguous
     else:  # in a graph or under a transform: an ordinary copy, which autograd and vmap follow
         buf = x.contiguous()  # (n, C_x, *k, *o)
-    return buf.view(n, g, spec.x_channels // g * spec.taps, spec.positions)  # (n, g, C_x/g·T, P)
+    return buf.view(n, g, spec.x_group_channels * spec.taps, spec.positions)  # (n, g, C_x/g·T, P)
 
 
 def _writable(*tensors: torch.Tensor) -> bool:
@@ -208,12 +208,12 @@ def _writable(*tensors: torch.Tensor) -> bool:
 
 
 def _y_rows(spec: ConvSpec, y: torch.Tensor) -> torch.Tensor:
-    return y.reshape(y.shape[0], spec.groups, spec.y_channels // spec.groups, spec.positions)  # (n, g, C_y/g, P)
+    return y.reshape(y.shape[0], spec.groups, spec.y_group_channels, spec.positions)  # (n, g, C_y/g, P)
 
 
 def _unfold(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     n, g = spec.batch, spec.groups
-    cyg, cxt = spec.y_channels // g, spec.x_channels // g * spec.taps
+    cyg, cxt = spec.y_group_channels, spec.x_group_channels * spec.taps
     writable = _writable(x, y)
     if out is None and writable:
         out = empty((n, spec.y_channels, cxt), x)  # (N, C_y, C_x/g·T), the weight's layout per sample
@@ -295,7 +295,7 @@ def materialised_sq_norms(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, meth
     if method == "fft" and spec.batch and _writable(x, y):
         return fft.sq_norms(spec, x, y).to(norm_dtype(x.dtype))
     out = x.new_zeros(spec.batch, dtype=norm_dtype(x.dtype))
-    per_sample = spec.y_channels * spec.x_channels // spec.groups * spec.taps
+    per_sample = spec.y_channels * spec.x_group_channels * spec.taps
     if method == "unfold":
         per_sample += spec.x_channels * spec.taps * spec.positions
     reuse = plain(x) and not torch.is_grad_enabled()

@@ -99,9 +99,9 @@ def estimates(spec: ConvSpec, purpose: str, store: bool) -> dict[str, float]:
         >>> round(e["ghost"] / e["unfold"], 1)  # pruned: over PRUNE (3x)
         17.8
     """
-    n, p, t, g = spec.batch, spec.positions, spec.taps, spec.groups
+    n, p, t = spec.batch, spec.positions, spec.taps
     cx, cy = spec.x_channels, spec.y_channels
-    w = cy * cx * t // g
+    w = cy * spec.x_group_channels * t
     wgrad, ghost = n * p * w, n * p * p * (cy + cx * t)
     native = wgrad * max(1.0, methods.NATIVE_POSITIONS / max(p, 1))  # one sample's kernel is slow on few positions
     # "fft" only on large kernels (fft.worth_trying): elsewhere it is never even estimated, let alone timed

@@ -139,6 +139,19 @@ class FftDim(NamedTuple):
         c, e = max(lo, 0) // s, max(hi, 0) // s
         return (lo - s * c, hi - s * e), (c, e)
 
+    def whole_rows(self, s: int) -> int:
+        """M: the rows of each stride-``s`` phase of x padded by the first pair of ``phase_pads`` (to s*M rows), the
+        transform length L less the phase's zero rows (c, e): x padded by ``transform_pads`` has s*L rows.
+
+        Examples:
+            >>> fft_phase(9, 3, 2, 2, 3, (0, 0), 9).whole_rows(2)   # 9 rows padded (0, 1): 2*5
+            5
+            >>> fft_phase(28, 31, 1, 1, 28, (15, 15), 58).whole_rows(1)   # stride 1: x as it is
+            28
+        """
+        c, e = self.phase_pads(s)[1]
+        return self.size - c - e
+
 
 def smooth_size(n: int) -> int:
     """The smallest 5-smooth integer (2^a 3^b 5^c) >= n: a transform length FFT libraries compute fastest.

@@ -63,8 +63,6 @@ class ConvSpec:
             y_size = tuple(formulation.output_rows(i, k, s, d, pads) for i, k, s, d, pads in zip(
                 self.input_size, self.kernel_size, self.stride, self.dilation, self.padding))
         symmetric = tuple(min(lo, hi) for lo, hi in self.padding)
-        x_channels, y_channels = ((self.out_channels, self.in_channels) if self.transposed
-                                  else (self.in_channels, self.out_channels))
         derived = {
             "_x_size": x_size,
             "_y_size": y_size,
@@ -74,7 +72,7 @@ class ConvSpec:
             "_padding_excess": tuple((lo - m, hi - m) for (lo, hi), m in zip(self.padding, symmetric)),
             "_input_shape": (self.batch, self.in_channels, *self.input_size),
             "_output_shape": (self.batch, self.out_channels, *(x_size if self.transposed else y_size)),
-            "_weight_shape": (y_channels, x_channels // self.groups, *self.kernel_size),
+            "_weight_shape": (self.y_channels, self.x_group_channels, *self.kernel_size),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # frozen: as dataclasses' own __init__ sets fields
@@ -143,6 +141,25 @@ class ConvSpec:
     def y_channels(self) -> int:
         """Channels of the small side (forward: output; transposed: input)."""
         return self.in_channels if self.transposed else self.out_channels
+
+    @property
+    def x_group_channels(self) -> int:
+        """Channels of the big side per group, C_x/g: the weight's second dim.
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((2, 8, 9), (6, 4, 3), groups=2)
+            >>> spec.x_group_channels, spec.y_group_channels
+            (4, 3)
+            >>> spec = ConvSpec.from_shapes((2, 6, 9), (6, 4, 3), groups=2, transposed=True)   # x is the output
+            >>> spec.x_group_channels, spec.y_group_channels
+            (4, 3)
+        """
+        return self.x_channels // self.groups
+
+    @property
+    def y_group_channels(self) -> int:
+        """Channels of the small side per group, C_y/g (``x_group_channels`` has examples)."""
+        return self.y_channels // self.groups
 
     @property
     def y_size(self) -> tuple[int, ...]:
@@ -373,7 +390,7 @@ class ConvSpec:
             (6, 8)
         """
         bins = 2 * math.prod([f.size for f in self.fft_phases[:-1]]) * (self.fft_phases[-1].size // 2 + 1)
-        a, b = self.y_channels // self.groups, self.x_channels // self.groups * phase_count
+        a, b = self.y_group_channels, self.x_group_channels * phase_count
         return chunks.fft_chunks(a * b * bins, (a + b) * bins, self.batch, self.groups, budget)
 
     def fft_per_sample_chunks(self, phase_count: int, budget: int) -> tuple[int, int, int]:
@@ -393,7 +410,7 @@ class ConvSpec:
         dims = self.fft_phases
         volume = math.prod([f.size for f in dims])
         bins = 2 * volume // dims[-1].size * (dims[-1].size // 2 + 1)
-        a, b0 = self.y_channels // self.groups, self.x_channels // self.groups
+        a, b0 = self.y_group_channels, self.x_group_channels
         b = b0 * phase_count
         return chunks.fft_per_sample_chunks((a + b) * bins, b * (bins + volume) + b0 * self.taps, self.batch,
                                             self.groups, a, budget)
@@ -459,7 +476,7 @@ class ConvSpec:
 
     def macs(self) -> int:
         """Multiply-accumulates of the forward conv (= of each of its two gradients)."""
-        return self.batch * self.y_channels * self.positions * (self.x_channels // self.groups) * self.taps
+        return self.batch * self.y_channels * self.positions * self.x_group_channels * self.taps
 
     def describe(self) -> str:
         """One line: the configuration in torch's argument names; an unbatched input as given, (C_in, *spatial)."""

@@ -34,9 +34,9 @@ def estimate_flops(spec: ConvSpec) -> tuple[float, float]:
     p = math.prod([len(d.phases) for d in dims])
     volume = math.prod([d.size for d in dims])
     bins = volume // dims[-1].size * (dims[-1].size // 2 + 1)
-    n, cx, cy, g = spec.batch, spec.x_channels, spec.y_channels, spec.groups
-    transforms = 2 * (n * cy + n * cx * p) + 2 * cy * (cx // g) * p
-    products = 2 * n * cy * (cx // g) * p * bins
+    n, cx, cy, cxg = spec.batch, spec.x_channels, spec.y_channels, spec.x_group_channels
+    transforms = 2 * (n * cy + n * cx * p) + 2 * cy * cxg * p
+    products = 2 * n * cy * cxg * p * bins
     return 2.5 * volume * math.log2(max(volume, 2)) * transforms + 8.0 * products, 4.0 * spec.macs()
 
 
@@ -87,7 +87,7 @@ def normwise_bound(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, gr
     """
     x, y = (grad_output, input) if spec.transposed else (input, grad_output)
     g, n = spec.groups, spec.batch
-    a, b = spec.y_channels // g, spec.x_channels // g
+    a, b = spec.y_group_channels, spec.x_group_channels
     x2 = x.abs().reshape(n, g, b, math.prod(spec.x_size)).norm(dim=-1)  # (N, g, B0)
     y2 = y.abs().reshape(n, g, a, math.prod(spec.y_size)).norm(dim=-1)  # (N, g, A)
     y1 = y.abs().reshape(n, g, a, math.prod(spec.y_size)).sum(-1)  # (N, g, A)

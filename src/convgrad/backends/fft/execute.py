@@ -15,6 +15,7 @@ import torch
 
 from convgrad.backends.fft import transforms as tf
 from convgrad.backends.fft.plans import FftPlan
+from convgrad.errors import ConvgradValueError
 from convgrad.spec.chunks import chunk_ranges
 from convgrad.tensor_ops import batched_like, sliced
 
@@ -24,11 +25,38 @@ Shape = tuple[int, ...]
 
 
 def execute(p: FftPlan, data: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """Run a plan: ``data`` is x (y_from_x, w_from_xy) or y (x_from_y); ``other`` the weight, or y for w_from_xy.
+    """Run a plan chunk by chunk: the result of ``p.kind`` (y from x, x from y, or w from x and y).
 
-    Half precision runs in float32 (FFT libraries lack it on most sizes) and comes back in its dtype.
+    Args:
+        p: the plan, ``plan(spec, gradient)``.
+        data: x ``spec.x_shape`` ``(N, C_x, *i)`` for y_from_x and w_from_xy, y ``spec.y_shape`` ``(N, C_y, *o)``
+            for x_from_y; real or complex floating (half precision is computed in float32).
+        other: the weight ``spec.weight_shape`` ``(C_y, C_x/g, *k)`` for y_from_x and x_from_y (conjugated by a
+            gradient's caller: torch's complex convention), y ``spec.y_shape`` for w_from_xy; ``data``'s dtype.
+
+    Returns:
+        y_from_x: ``spec.y_shape``; x_from_y: ``spec.x_shape``; w_from_xy: ``spec.weight_shape``; in ``data``'s
+        dtype.
+
+    Raises:
+        ValueError: ``data`` or ``other`` not of the plan's shape.
+
+    Examples:
+        >>> from convgrad.backends.fft import plan
+        >>> from convgrad.spec import ConvSpec
+        >>> x, w = torch.randn(2, 4, 30, dtype=torch.float64), torch.randn(4, 1, 9, dtype=torch.float64)
+        >>> spec = ConvSpec.from_shapes(x.shape, w.shape, stride=2, padding=4, groups=4)
+        >>> y = execute(plan(spec, "output"), x, w)
+        >>> y.shape, bool(torch.allclose(y, torch.nn.functional.conv1d(x, w, stride=2, padding=4, groups=4)))
+        (torch.Size([2, 4, 15]), True)
+
+    Source: the convolution theorem, per bin and group (the package docstring's contractions; the docs' "Derivation"
+    page, "The convolution theorem").
     """
-    dtype, spec = data.dtype, p.spec
+    spec = p.spec
+    _check_shapes("execute", p, {"data": (data, spec.y_shape if p.kind == "x_from_y" else spec.x_shape),
+                                 "other": (other, spec.y_shape if p.kind == "w_from_xy" else spec.weight_shape)})
+    dtype = data.dtype
     if spec.batch == 0:  # nothing to transform: an empty result, or grad_weight's empty sum
         shapes = {"y_from_x": spec.y_shape, "x_from_y": spec.x_shape, "w_from_xy": spec.weight_shape}
         return data.new_zeros(shapes[p.kind])
@@ -36,6 +64,14 @@ def execute(p: FftPlan, data: torch.Tensor, other: torch.Tensor) -> torch.Tensor
         data, other = data.float(), other.float()
     run = {"y_from_x": _y_from_x, "x_from_y": _x_from_y, "w_from_xy": _w_from_xy}[p.kind]
     return run(p, data, other, not (data.is_complex() or other.is_complex())).to(dtype)
+
+
+def _check_shapes(fn: str, p: FftPlan, tensors: dict[str, tuple[torch.Tensor, Shape]]) -> None:
+    """Each tensor has the shape the plan reads (name: (tensor, shape)): another would fail deep in a reshape."""
+    for name, (t, shape) in tensors.items():
+        if tuple(t.shape) != shape:
+            raise ConvgradValueError(f"fft.{fn}: {name}.shape={tuple(t.shape)} does not match {shape}, its shape in "
+                                     f"{p.spec.describe()}")
 
 
 class _Output:
@@ -219,12 +255,30 @@ def _w_taps(p: FftPlan, parts: list[torch.Tensor]) -> torch.Tensor:
 
 # ---- both gradients in one pass: grad_output's spectrum made once per chunk, read by both products ----------------
 def shares_spectra(pi: FftPlan, pw: FftPlan) -> bool:
-    """Whether grad_input's plan ``pi`` and grad_weight's ``pw`` can run as one pass (``execute_backward``): the same
-    chunks and transform sizes, and each group's kernel rows one chunk. A dense layer sliced by kernel rows
-    (``FftPlan.row_chunk`` < A) is not: x's spectra summed over the row slices for grad_input, the weight's over the
-    sample chunks for grad_weight, one of them would be held whole beside the other's slices. The pass runs ``pi``'s
-    chunks: ``pw``'s may hold fewer groups (``plans.WEIGHT_CHUNK_RESULTS``, for grad_weight alone, whose native peak
-    is a scratch), whereas native's backward of both holds grad_input's result too."""
+    """Whether grad_input's plan ``pi`` and grad_weight's ``pw`` can run as one pass (``execute_backward``).
+
+    They can with the same sample chunks and transform sizes, and each group's kernel rows one chunk. A dense layer
+    sliced by kernel rows (``FftPlan.row_chunk`` < A) cannot: x's spectra summed over the row slices for grad_input,
+    the weight's over the sample chunks for grad_weight, one of them would be held whole beside the other's slices.
+    The pass runs ``pi``'s chunks: ``pw``'s may hold fewer groups (``plans.WEIGHT_CHUNK_RESULTS``, for grad_weight
+    alone, whose native peak is a scratch), whereas native's backward of both holds grad_input's result too.
+
+    Args:
+        pi: grad_input's plan, ``plan(spec, "grad_input")``.
+        pw: grad_weight's plan of the same spec, ``plan(spec, "grad_weight")``.
+
+    Returns:
+        bool; False for a batch of 0 (nothing to transform).
+
+    Examples:
+        >>> from convgrad.backends.fft import plan
+        >>> from convgrad.spec import ConvSpec
+        >>> def shared(spec): return shares_spectra(plan(spec, "grad_input"), plan(spec, "grad_weight"))
+        >>> depthwise = ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256)
+        >>> dense = ConvSpec.from_shapes((2, 64, 28, 28), (64, 64, 31, 31), padding=15)
+        >>> shared(depthwise), plan(dense, "grad_input").row_chunk, shared(dense)   # dense: one kernel row a slice
+        (True, 1, False)
+    """
     a = pi.group_channels[0]
     return (pi.chunks[1] == pw.chunks[1] and pi.sizes == pw.sizes and pi.row_chunk == pw.row_chunk == a > 0
             and pi.spec.batch > 0)
@@ -236,17 +290,26 @@ def execute_backward(pi: FftPlan, pw: FftPlan, grad_output: torch.Tensor, input:
 
     Per chunk of groups and samples: a forward conv's grad_output is y, its Y feeds X' = sum_a Y W (grad_input)
     and W' = sum_n ~Y X (grad_weight, ~Y a lazy conj for real data); a transposed conv's is x, its X feeds
-    Y = sum_b X ~W (grad_input) and W' (the package docstring's contractions; docs/derivation.md).
+    Y = sum_b X ~W (grad_input) and W'.
 
     Args:
         pi: grad_input's plan, ``plan(spec, "grad_input")``.
-        pw: grad_weight's plan, ``plan(spec, "grad_weight")``; ``shares_spectra(pi, pw)`` must hold.
-        grad_output: ``(N, C_out, *out)``, real or complex floating (half precision is computed in float32).
-        input: ``(N, C_in, *in)``, conjugated by the caller (torch's complex convention; a no-op for real data).
-        weight: ``spec.weight_shape``, conjugated by the caller likewise.
+        pw: grad_weight's plan of the same spec, ``plan(spec, "grad_weight")``; ``shares_spectra(pi, pw)`` must
+            hold.
+        grad_output: ``spec.output_shape`` ``(N, C_out, *out)``, real or complex floating (half precision is
+            computed in float32).
+        input: ``spec.input_shape`` ``(N, C_in, *in)``, conjugated by the caller (torch's complex convention; a
+            no-op for real data); grad_output's dtype.
+        weight: ``spec.weight_shape`` ``(C_out, C_in/g, *k)`` (transposed: ``(C_in, C_out/g, *k)``), conjugated
+            by the caller likewise; grad_output's dtype.
 
     Returns:
         (grad_input ``spec.input_shape``, grad_weight ``spec.weight_shape``), in grad_output's dtype.
+
+    Raises:
+        ValueError: ``pi`` not a grad_input plan, ``pw`` not a grad_weight plan of the same spec, plans that do not
+            share their spectra (``shares_spectra``: run each with ``execute``), or a tensor not of the spec's
+            shape.
 
     Examples:
         >>> from convgrad.backends.fft import plan
@@ -259,7 +322,16 @@ def execute_backward(pi: FftPlan, pw: FftPlan, grad_output: torch.Tensor, input:
         ...                                           [True, True, False])
         >>> bool(torch.allclose(gi, ref[0], atol=1e-4) and torch.allclose(gw, ref[1], atol=1e-4))
         True
+
+    Source: the package docstring's contractions; the docs' "Derivation" page, "The convolution theorem".
     """
+    spec = pi.spec
+    if pi.gradient != "grad_input" or pw.gradient != "grad_weight" or pw.spec != spec or not shares_spectra(pi, pw):
+        raise ConvgradValueError(f"fft.execute_backward: pi={pi.gradient}'s plan of {spec.describe()} and "
+                                 f"pw={pw.gradient}'s plan of {pw.spec.describe()} must be grad_input's and "
+                                 "grad_weight's plans of one spec that share their spectra (shares_spectra)")
+    _check_shapes("execute_backward", pi, {"grad_output": (grad_output, spec.output_shape),
+                                           "input": (input, spec.input_shape), "weight": (weight, spec.weight_shape)})
     dtype = grad_output.dtype
     if dtype in (torch.float16, torch.bfloat16):
         grad_output, input, weight = grad_output.float(), input.float(), weight.float()

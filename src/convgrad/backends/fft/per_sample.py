@@ -91,7 +91,7 @@ def weight_grads(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     """
     dtype = x.dtype
     x, y = _computed(x, y)
-    a = spec.y_channels // spec.groups
+    a = spec.y_group_channels
     out = x.new_empty(spec.batch, spec.groups, a, *spec.weight_shape[1:])  # (N, g, A, C_x/g, *k)
     for (n, g, c), part in _blocks(spec, x, y):
         out[n, g, c] = part
@@ -141,8 +141,8 @@ def estimate_flops(spec: ConvSpec) -> float:
     p = math.prod([len(d.phases) for d in dims])
     volume = math.prod([d.size for d in dims])
     bins = volume // dims[-1].size * (dims[-1].size // 2 + 1)
-    n, cx, cy, g = spec.batch, spec.x_channels, spec.y_channels, spec.groups
-    products = n * cy * (cx // g) * p
+    n, cx, cy = spec.batch, spec.x_channels, spec.y_channels
+    products = n * cy * spec.x_group_channels * p
     transforms = n * (cx * p + cy) + products
     return 2.5 * volume * math.log2(max(volume, 2)) * transforms + 6.0 * products * bins
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 
 from convgrad.errors import ConvgradValueError
-from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows, padded_sizes
+from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows
 from convgrad.spec.chunks import fft_kernel_rows
 
 __all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_CHUNK_RESULTS", "FftPlan", "FftStep", "plan"]
@@ -62,7 +62,7 @@ class FftPlan:
     @property
     def row_chunk(self) -> int:
         """The kernel rows per chunk: ``rows``, or all C_y/g when 0. Fewer than all only with one group per chunk."""
-        return self.rows or self.spec.y_channels // self.spec.groups
+        return self.rows or self.spec.y_group_channels
 
     @property
     def phase_count(self) -> int:
@@ -90,8 +90,8 @@ class FftPlan:
     @property
     def group_channels(self) -> tuple[int, int, int]:
         """(A, B0, B): y channels per group, x channels per group, and x channels per group times the live phases."""
-        b0 = self.spec.x_channels // self.spec.groups
-        return self.spec.y_channels // self.spec.groups, b0, b0 * self.phase_count
+        b0 = self.spec.x_group_channels
+        return self.spec.y_group_channels, b0, b0 * self.phase_count
 
     def describe(self) -> str:
         return "\n".join(f"{j + 1}. {s.describe()}" for j, s in enumerate(self.steps))
@@ -137,7 +137,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     if gradient == "grad_weight":  # fewer groups only: at least one, and the samples the budget gives
         most = spec.fft_chunks(p, WEIGHT_CHUNK_RESULTS * math.prod(spec.weight_shape))[0]
         chunks = (min(chunks[0], most), chunks[1])
-    a, b = spec.y_channels // spec.groups, spec.x_channels // spec.groups * p
+    a, b = spec.y_group_channels, spec.x_group_channels * p
     # a group's kernel spectra over the chunk budget (C_y/g (C_x/g) P F complex) are held a slice of rows at a time,
     # so that fft's peak stays near native's (issue 28's memory target)
     rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
@@ -151,9 +151,10 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
     spec, kind, dims, p = plan.spec, plan.kind, plan.dims, plan.phase_count
     n, cx, cy, g, nd = spec.batch, spec.x_channels, spec.y_channels, spec.groups, spec.n
     q, sizes, zeros = tuple(d.taps for d in dims), plan.sizes, plan.phase_zeros
+    _, b0, b = plan.group_channels
     phases = tuple(d.phases for d in dims)
     whole = tuple(d.phase_pads(s)[0] for d, s in zip(dims, spec.stride))
-    rows = tuple(m // s for m, s in zip(padded_sizes(spec.x_size, whole), spec.stride))  # M per phase
+    rows = tuple(d.whole_rows(s) for d, s in zip(dims, spec.stride))  # M per phase
     pruned = ("pruned on large grids where the data fills few of the rows before the last dim (transforms.PRUNE_FILL): "
               "the last dim first over the data's rows only, then each earlier dim, each padded as it is reached")
     inverse = ("inverse transform and cut, pruned on large grids (transforms.PRUNE_MIN_POINTS): the earlier dims "
@@ -164,7 +165,7 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
                FftStep("phases", f"split x into the live phases {phases} of stride {spec.stride}, as channels",
                        (n, cx * p, *rows)))
     w_steps = (FftStep("taps", f"place each tap t at slot (phase, t*d div s) of a {q} kernel per phase",
-                       (cy, cx // g * p, *q), ("wp = tf.place_taps(w, dims)  # (C_y, B, *Q)",)),)
+                       (cy, b, *q), ("wp = tf.place_taps(w, dims)  # (C_y, B, *Q)",)),)
     contraction = f"per bin, {g} groups as a batch dim"
     if kind == "y_from_x":
         cuts = plan.cuts_to(spec.y_size)
@@ -199,11 +200,11 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
                     f"{pruned}", (n, cx * p, *sizes),
                     (f"xf = tf.forward_transform(xs, sizes, {zeros}).reshape(n, g, B, -1)  # (n, g, B, F)",
                      f"yf = tf.reversed_spectrum(tf.forward_transform(y, sizes), {nd}, True).reshape(n, g, A, -1)")),
-            FftStep("product", f"W[a,b] = sum_n Y(-f)[n,a] X[n,b], {contraction}", (cy, cx // g * p, *sizes),
+            FftStep("product", f"W[a,b] = sum_n Y(-f)[n,a] X[n,b], {contraction}", (cy, b, *sizes),
                     ("wf = tf.w_bins(xf, yf).reshape(g * A, B, *bins)  # (C_y, B, *bins)",)),
-            FftStep("inverse", f"{inverse}: cuts {cuts}", (cy, cx // g * p, *q),
+            FftStep("inverse", f"{inverse}: cuts {cuts}", (cy, b, *q),
                     (f"wq = tf.inverse_transform(wf, sizes, True, {cuts})  # (C_y, B, *Q)",)),
             FftStep("crop", f"keep the first Q = {q} slots (the correlation's lags): the inverse's cuts",
-                    (cy, cx // g * p, *q)),
+                    (cy, b, *q)),
             FftStep("taps", "read each tap t from its slot", spec.weight_shape,
-                    (f"out = tf.read_taps(wq, dims, {cx // g})  # (C_y, C_x/g, *k)",)))
+                    (f"out = tf.read_taps(wq, dims, {b0})  # (C_y, C_x/g, *k)",)))

@@ -112,7 +112,7 @@ def to_phases(x: torch.Tensor, dims: tuple[FftDim, ...], stride: Shape) -> torch
     x = pad(x, [d.phase_pads(s)[0] for d, s in zip(dims, stride)])  # (n, C, *s*M)
     if all(s == 1 for s in stride):
         return x
-    rows = [m // s for m, s in zip(x.shape[2:], stride)]
+    rows = [d.whole_rows(s) for d, s in zip(dims, stride)]
     x = x.reshape(n, c, *(v for m, s in zip(rows, stride) for v in (m, s)))  # (n, C, M1, s1, M2, s2, ..)
     x = x.permute(0, 1, *range(3, 2 + 2 * nd, 2), *range(2, 2 + 2 * nd, 2))  # (n, C, s1, s2, .., M1, M2, ..)
     for j, (d, s) in enumerate(zip(dims, stride)):

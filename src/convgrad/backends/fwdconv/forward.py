@@ -54,7 +54,7 @@ def worth_padding(spec: ConvSpec, like: torch.Tensor) -> bool:
     """
     if spec.transposed or like.device.type != "cpu" or like.dtype != torch.float32 or channels_innermost(like):
         return False
-    per_group = spec.x_channels // spec.groups, spec.y_channels // spec.groups
+    per_group = spec.x_group_channels, spec.y_group_channels
     last = spec.symmetric_padding[-1]
     if per_group == (1, 1):  # in 3d oneDNN's brdgmm_dw kernel runs either way
         return spec.n <= 2 and last >= DEPTHWISE_MIN_PAD

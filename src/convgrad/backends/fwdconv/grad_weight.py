@@ -94,7 +94,7 @@ def weight_method(spec: ConvSpec) -> tuple[str, str]:
         return "taps", "tap windows do not overlap (e.g. 1x1, or k <= s): im2col by taps copies at most x; a matmul"
     if spec.n == 3 and spec.x_channels == spec.groups and max(spec.stride) > 1 and max(spec.dilation) == 1:
         return "phases", "strided 3d depthwise: the phases of x make per-sample stride-1 convs, not dilated ones"
-    if spec.x_channels // spec.groups <= PER_SAMPLE_MAX_CHANNELS:
+    if spec.x_group_channels <= PER_SAMPLE_MAX_CHANNELS:
         return "per_sample", (f"at most {PER_SAMPLE_MAX_CHANNELS} input channels per group (depthwise, RGB, audio): "
                               f"per-sample convs, summed")
     if all(s == 1 for s in spec.stride) and any(d > 1 for d in spec.dilation):
@@ -266,11 +266,11 @@ def _crop_taps(spec: ConvSpec, crop: tuple[Pair, ...], lead: Shape) -> tuple[Ste
 
 def _kernel_plan(spec: ConvSpec) -> _Parts:
     """x (batch folded into channels) convolved with y as the kernel: stride d, dilation s."""
-    g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
+    g, cxg, cy, n_ = spec.groups, spec.x_group_channels, spec.y_channels, spec.batch
     pad_steps, padded, conv_pad, crop, taps = _x_pads(spec)
-    data_steps = (*pad_steps, BatchFold(g, "group_major", (cx // g, g * n_, *padded[2:])))
-    conv = Conv(spec.dilation, conv_pad, spec.stride, g, (cx // g, cy, *taps))
-    post = (*_crop_taps(spec, crop, (cx // g, cy)), SwapBatchChannels(spec.weight_shape))
+    data_steps = (*pad_steps, BatchFold(g, "group_major", (cxg, g * n_, *padded[2:])))
+    conv = Conv(spec.dilation, conv_pad, spec.stride, g, (cxg, cy, *taps))
+    post = (*_crop_taps(spec, crop, (cxg, cy)), SwapBatchChannels(spec.weight_shape))
     return data_steps, (SwapBatchChannels((cy, n_, *spec.y_size)),), conv, post
 
 
@@ -278,16 +278,16 @@ def _samples_as_groups(spec: ConvSpec, pad_steps: tuple[Step, ...], padded: Shap
                        crop: tuple[Pair, ...], taps: Shape) -> _Parts:
     """The conv of every sample on its own, the batch folded into the groups: its result (C_x/g, N*C_y, *k) holds
     sample n's gradient in columns n*C_y to (n+1)*C_y. ``pad_steps`` .. ``taps``: how it reads x (``_x_pads``)."""
-    g, cx, cy, n_ = spec.groups, spec.x_channels, spec.y_channels, spec.batch
-    data_steps = (*pad_steps, BatchFold(g, "sample_major", (cx // g, n_ * g, *padded[2:])))
-    conv = Conv(spec.dilation, conv_pad, spec.stride, n_ * g, (cx // g, n_ * cy, *taps))
+    g, cxg, cy, n_ = spec.groups, spec.x_group_channels, spec.y_channels, spec.batch
+    data_steps = (*pad_steps, BatchFold(g, "sample_major", (cxg, n_ * g, *padded[2:])))
+    conv = Conv(spec.dilation, conv_pad, spec.stride, n_ * g, (cxg, n_ * cy, *taps))
     kernel_steps = (SamplesIntoChannels((n_ * cy, 1, *spec.y_size)),)
-    return data_steps, kernel_steps, conv, _crop_taps(spec, crop, (cx // g, n_ * cy))
+    return data_steps, kernel_steps, conv, _crop_taps(spec, crop, (cxg, n_ * cy))
 
 
 def _per_sample_plan(spec: ConvSpec) -> _Parts:
     """The same conv per sample, the batch folded into the groups, then the samples summed."""
-    cx, cy = spec.x_channels // spec.groups, spec.y_channels
+    cx, cy = spec.x_group_channels, spec.y_channels
     data_steps, kernel_steps, conv, crop = _samples_as_groups(spec, *_x_pads(spec))
     post = (*crop, SumSamples(spec.batch, (cx, cy, *spec.kernel_size)), SwapBatchChannels(spec.weight_shape))
     return data_steps, kernel_steps, conv, post
@@ -312,7 +312,7 @@ def plan_per_sample_weight_grad(spec: ConvSpec) -> Plan:
         True
     """
     x_name, y_name = ("grad_output", "input") if spec.transposed else ("input", "grad_output")
-    shape = (spec.batch * spec.y_channels, spec.x_channels // spec.groups, *spec.kernel_size)
+    shape = (spec.batch * spec.y_channels, spec.x_group_channels, *spec.kernel_size)
     if spec.batch == 0:
         return Plan("grad_weight", spec, x_name, y_name, (), (), None, (), shape, "empty", "batch 0")
     lead = (spec.batch, spec.x_channels)
@@ -326,24 +326,26 @@ def plan_per_sample_weight_grad(spec: ConvSpec) -> Plan:
 def _taps_plan(spec: ConvSpec) -> _Parts:
     """The window of every tap folded into the batch (im2col by taps): a conv whose kernel y covers it, a matmul."""
     g, cx, cy, n_, t = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.taps
+    cxg = spec.x_group_channels
     pads = (Pad(spec.x_read_pads, (n_, cx, *spec.x_read_size)),) if any(any(p) for p in spec.x_read_pads) else ()
-    data_steps = (*pads, FoldTaps(g, spec.kernel_size, spec.stride, spec.dilation, (cx // g * t, g * n_, *spec.y_size)))
-    conv = MatMul(g, False, (cx // g * t, cy, *(1,) * spec.n))
+    data_steps = (*pads, FoldTaps(g, spec.kernel_size, spec.stride, spec.dilation, (cxg * t, g * n_, *spec.y_size)))
+    conv = MatMul(g, False, (cxg * t, cy, *(1,) * spec.n))
     return data_steps, (SwapBatchChannels((cy, n_, *spec.y_size)),), conv, (TapsToKernel(spec.weight_shape),)
 
 
 def _blocks_plan(spec: ConvSpec) -> _Parts:
     """Stride 1, dilation d: blocks of d rows folded into channels (space to depth) make it a stride-1 conv."""
     g, cx, cy, n_, d = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.dilation
+    cxg = spec.x_group_channels
     blocks, dd = spec.dilation_blocks, math.prod(d)
     x_pads = tuple(pad_to_rows(p, size, u * di) for p, (u, _), di, size in
                    zip(spec.x_read_pads, blocks, d, spec.x_read_size))
     y_pads = tuple(pad_to_rows((0, 0), o, m * di) for (_, m), di, o in zip(blocks, d, spec.y_size))
     data_steps = (Pad(x_pads, (n_, cx, *(u * di for (u, _), di in zip(blocks, d)))),
-                  SpaceToDepth(d, g, (cx // g, g * n_ * dd, *(u for u, _ in blocks))))
+                  SpaceToDepth(d, g, (cxg, g * n_ * dd, *(u for u, _ in blocks))))
     y_pad = (Pad(y_pads, (n_, cy, *(m * di for (_, m), di in zip(blocks, d)))),) if any(hi for _, hi in y_pads) else ()
     kernel_steps = (*y_pad, SpaceToDepth(d, 1, (cy, n_ * dd, *(m for _, m in blocks))))
-    conv = Conv((1,) * spec.n, (0,) * spec.n, (1,) * spec.n, g, (cx // g, cy, *spec.kernel_size))
+    conv = Conv((1,) * spec.n, (0,) * spec.n, (1,) * spec.n, g, (cxg, cy, *spec.kernel_size))
     return data_steps, kernel_steps, conv, (SwapBatchChannels(spec.weight_shape),)
 
 
@@ -353,9 +355,9 @@ def _phases_plan(spec: ConvSpec) -> _Parts:
     Each phase gets Q = ceil(k/s) taps per dim (``ConvSpec.stride_phases``); a phase with fewer real taps computes
     a few surplus results, which PhasesToKernel drops.
     """
-    g, cx, cy, n_, s = spec.groups, spec.x_channels, spec.y_channels, spec.batch, spec.stride
+    g, cy, n_, s = spec.groups, spec.y_channels, spec.batch, spec.stride
     q, u, pads = zip(*spec.stride_phases)
-    phases = cx // g * math.prod(s)
+    phases = spec.x_group_channels * math.prod(s)
     data_steps = (StrideToDepth(s, g, pads, (phases, n_ * g, *u)),)
     conv = Conv((1,) * spec.n, (0,) * spec.n, (1,) * spec.n, n_ * g, (phases, n_ * cy, *q))
     post = (SumSamples(n_, (phases, cy, *q)), PhasesToKernel(s, spec.weight_shape))

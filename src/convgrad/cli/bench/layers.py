@@ -162,7 +162,8 @@ def _shrink(layer: Layer) -> Layer:
     (10 in 3d)."""
     g = min(layer.groups, 4)
     spec = layer.spec()
-    in_g, out_g = min(spec.in_channels // spec.groups, 8), min(spec.out_channels // spec.groups, 8)
+    xg, yg = min(spec.x_group_channels, 8), min(spec.y_group_channels, 8)
+    in_g, out_g = (yg, xg) if layer.transposed else (xg, yg)
     k = layer.weight_shape[2:]
     weight = (g * in_g, out_g, *k) if layer.transposed else (g * out_g, in_g, *k)
     wide = 40 if len(k) < 3 else 10
