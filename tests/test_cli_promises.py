@@ -116,6 +116,20 @@ def test_a_channel_mismatch_names_the_entry_as_typed(command: str, size: str, we
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv", [
+    ["explain", "--input", "1,4,40,40", "--weight", "4,1,31,31", "--groups", "4", "--method", "ftt"],
+    ["check", "--input", "1,4,40,40", "--weight", "4,1,31,31", "--groups", "4", "--backend", "fftt"],
+], ids=["explain-method", "check-backend"])
+def test_a_bad_method_or_backend_name_is_not_explained_by_how_input_was_read(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Before (review6): "method='ftt' must be None or one of (...) (--input 1,4,40,40 is read as (N, C_in, H, W):
+    C_in=4 is its entry 2)": how the shapes were read, added to an error that is not about them."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'ftt'" in err or "'fftt'" in err, err
+    assert "is read as" not in err and err.count("\n") == 1, err
+
+
 def test_read_as_only_speaks_of_shapes_it_can_read() -> None:
     assert cli.read_as((2, 3, 9, 9, 9), (6, 3, 3, 3, 3)) == \
         "--input 2,3,9,9,9 is read as (N, C_in, D, H, W): C_in=3 is its entry 2"

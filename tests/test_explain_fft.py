@@ -149,6 +149,17 @@ def test_fft_picture_of_one_gradient_says_the_other_is_not_fft() -> None:
     assert len(fig.axes) == 3 and "grad_input not fft" in fig.texts[0].get_text() + fig._suptitle.get_text()
 
 
+def test_fft_picture_of_a_3d_layer_says_which_dims_it_draws() -> None:
+    """Before (review6): a 3d layer's panels drew its last two dims under "L = (8, 6, 6)" with no word of which two,
+    so a (4, 4, 3) grad_output looked like a (4, 3) one; a 2d layer's label names no dims."""
+    fig = cg.explain((1, 4, 10, 9, 8), (4, 1, 7, 7, 7), stride=2, padding=((3, 1), (2, 2), (0, 3)), groups=4,
+                     method="fft").plot()
+    labels = [ax.get_ylabel() for ax in fig.axes if ax.get_ylabel()]
+    assert len(labels) == 2 and all("the last two spatial dims" in label for label in labels), labels
+    flat = _recipe("2d_strided", method="fft").plot()
+    assert not any("spatial dims" in ax.get_ylabel() for ax in flat.axes)
+
+
 @pytest.mark.parametrize("how", ["animate", "to_html", "scene"])
 def test_fft_frames_are_refused_with_a_typed_error(how: str, tmp_path: Path) -> None:
     recipe = _recipe("1d", weight_method="fft")

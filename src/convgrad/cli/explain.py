@@ -19,7 +19,7 @@ from typing import Any
 from convgrad.cli import add_conv_arguments, parse_shape, shapes_as_typed
 from convgrad.errors import ConvgradValueError
 from convgrad.explain import fft_view
-from convgrad.explain.methods import EXPLAIN_INPUT_METHODS, EXPLAIN_WEIGHT_METHODS, METHODS
+from convgrad.explain.methods import EXPLAIN_INPUT_METHODS, EXPLAIN_WEIGHT_METHODS, METHODS, resolve_methods
 
 __all__ = ["add_arguments", "check_outputs", "run"]
 
@@ -121,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     padding = _pairs(args.padding, len(args.weight) - 2)
     hyper = dict(stride=args.stride, padding=padding, dilation=args.dilation, transposed=args.transposed,
                  output_padding=args.output_padding, groups=args.groups)
+    # the method names first: how --input was read explains a shape error, not a misspelt method
+    resolve_methods(args.method, args.input_method, args.weight_method)
     with shapes_as_typed(args.input, args.weight):
         recipe = convgrad.explain(args.input, args.weight, **hyper, method=args.method,
                                   input_method=args.input_method, weight_method=args.weight_method)

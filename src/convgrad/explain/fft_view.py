@@ -154,8 +154,9 @@ def plot(spec: ConvSpec, plans: dict[str, Any], gradients: tuple[str, ...], path
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_title(_titled(plan, _TITLES[plan.kind][col]), fontsize=8)
-            if col == 0:
-                ax.set_ylabel(f"{gradient}\nL = {plan.sizes}", fontsize=8)
+            if col == 0:  # a 3d grid is drawn by its last two dims (``_grid``): say so, or (4, 4, 3) reads as (4, 3)
+                shown_dims = "\nthe last two spatial dims" if spec.n > 2 else ""
+                ax.set_ylabel(f"{gradient}\nL = {plan.sizes}{shown_dims}", fontsize=8)
             if col == 1:  # the steps under the middle panel
                 steps = " -> ".join(s.name for s in plan.steps)
                 ax.set_xlabel(f"{steps}\nper bin one product (a matmul over the channels of each of {spec.groups} "

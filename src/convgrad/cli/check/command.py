@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from convgrad.backends import get_backend
 from convgrad.cli import add_conv_arguments, parse_ints, shapes_as_typed
 from convgrad.cli import console as cli_console
 from convgrad.cli.check.configs import check_config, check_random
@@ -150,6 +151,8 @@ def _backends(results: list[Result]) -> list[str]:
 def _run_config(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> list[Result]:
     if args.weight is None:
         raise ConvgradValueError("check: --input needs --weight, e.g. --input 2,4,9,9 --weight 6,2,3,3")
+    for name in args.backend or ():  # a misspelt name first: how --input was read explains shape errors only
+        get_backend(name, "check")
     with shapes_as_typed(_as_tuple(args.input), _as_tuple(args.weight)):
         spec, results = check_config(_as_tuple(args.input), _as_tuple(args.weight), args.stride,
                                      _pairs(args.padding, len(_as_tuple(args.weight)) - 2), args.dilation,
