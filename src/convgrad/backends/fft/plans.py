@@ -26,8 +26,8 @@ CHUNK_MIN_REALS = 2**18
 # layers of small kernels and large planes; so a grad_weight chunk also holds, counted as the profiler saw it held
 # (``ConvSpec.fft_weight_chunks``: 4 spectra per depthwise sample and group), at most this many times that scratch
 # (issue 28's 2x), or CHUNK_MIN_REALS on small layers (few chunks, both gradients in one pass). fft_memory.md:
-# ConvNeXt 7x7 1 group of 16 samples a chunk (2 went 2.64x), 3D UX-Net 2 groups of 54^3 bins (modelled 1.53x; 3
-# would be 2.29x; 1 ran 1.1x slower), no other layer's chunks change
+# ConvNeXt 7x7 1 group of 16 samples a chunk (1.33x; 2 went 2.64x), 3D UX-Net 2 groups of 54^3 bins (1.49x; 3
+# model 2.29x; 1 ran 1.1x slower in the 64-weight rule's timing), no other layer's chunks change
 WEIGHT_SCRATCH_RATIO = 2
 
 
