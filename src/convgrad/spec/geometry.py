@@ -389,9 +389,40 @@ class ConvSpec:
             >>> spec.fft_chunks(1, 2**18)
             (6, 8)
         """
-        bins = 2 * math.prod([f.size for f in self.fft_phases[:-1]]) * (self.fft_phases[-1].size // 2 + 1)
-        a, b = self.y_group_channels, self.x_group_channels * phase_count
+        a, b, bins = self._fft_group_reals(phase_count)
         return chunks.fft_chunks(a * b * bins, (a + b) * bins, self.batch, self.groups, budget)
+
+    def fft_weight_chunks(self, phase_count: int, budget: int) -> tuple[int, int]:
+        """(groups, samples) per grad_weight chunk of the FFT backend, so that what the chunk holds at once is about
+        ``budget`` reals: per group and sample 2((C_x/g)P + C_y/g) complex bins, x's and y's spectra, y's conjugate
+        resolved and their product before the sum over samples (the torch profiler on depthwise layers: 4 spectra
+        of a sample and group at the peak, the sum comes after; ``benchmarks/large_kernels.py``'s ``peak_bytes``).
+
+        Examples:
+            >>> spec = ConvSpec.from_shapes((16, 96, 56, 56), (96, 1, 7, 7), padding=3, groups=96)
+            >>> spec.fft_weight_chunks(1, 2 * spec.native_weight_scratch), spec.fft_chunks(1, spec.side_elements // 4)
+            ((1, 16), (19, 16))
+        """
+        a, b, bins = self._fft_group_reals(phase_count)
+        return chunks.fft_chunks(0, 2 * (a + b) * bins, self.batch, self.groups, budget)
+
+    def _fft_group_reals(self, phase_count: int) -> tuple[int, int, int]:
+        """(C_y/g, (C_x/g)P, reals of one complex spectrum of a real transform of the fft sizes)."""
+        bins = 2 * math.prod([f.size for f in self.fft_phases[:-1]]) * (self.fft_phases[-1].size // 2 + 1)
+        return self.y_group_channels, self.x_group_channels * phase_count, bins
+
+    @property
+    def native_weight_scratch(self) -> int:
+        """Reals of scratch that native's grad_weight holds at least on the CPU: one channel's taps over one plane
+        of y (the last two dims), ``T * prod(y_size[-2:])``, and 4 weights (oneDNN's GEMM grad_weight; the torch
+        profiler on the large suite's depthwise layers: ConvNeXt's 7x7, RepLKNet's, SLaK's and 3D UX-Net's scratch is
+        exactly this plus 64 reals, UniRepLKNet's twice it). It does not grow with the batch.
+
+        Examples:
+            >>> ConvSpec.from_shapes((16, 96, 56, 56), (96, 1, 7, 7), padding=3, groups=96).native_weight_scratch
+            172480
+        """
+        return self.taps * math.prod(self.y_size[-2:]) + 4 * math.prod(self.weight_shape)
 
     def fft_per_sample_chunks(self, phase_count: int, budget: int) -> tuple[int, int, int]:
         """(groups, samples, y channels per group) per chunk of per-sample weight gradients by the FFT, so that one

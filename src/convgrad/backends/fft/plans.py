@@ -14,18 +14,21 @@ from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows
 from convgrad.spec.chunks import fft_kernel_rows
 
-__all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_CHUNK_RESULTS", "FftPlan", "FftStep", "plan"]
+__all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_SCRATCH_RATIO", "FftPlan", "FftStep", "plan"]
 
 Shape = tuple[int, ...]
 KINDS = ("y_from_x", "x_from_y", "w_from_xy")
 # One chunk's spectra hold about max(CHUNK_MIN_REALS, a quarter of the layer's x and y elements) reals: with the
 # inverse transform and the result beside them, a backward's peak stays near native's (benchmarks/large_kernels.py).
 CHUNK_MIN_REALS = 2**18
-# grad_weight's result is the weight, and native's peak there is a scratch that does not grow with the batch, far
-# under a quarter of x and y on depthwise layers of small kernels and large planes; so a grad_weight chunk also holds
-# no more groups than fit this many weights' elements (fft_memory.md): 3D UX-Net's 48 groups of 54^3 bins go 2 a
-# chunk (59 weights or fewer: 1, which ran 1.1x slower; 90 or more: 3, over 2x native's peak)
-WEIGHT_CHUNK_RESULTS = 64
+# grad_weight's native peak is a scratch that does not grow with the batch (``ConvSpec.native_weight_scratch``, a
+# lower bound: one channel's taps over one plane of y and 4 weights), far under a quarter of x and y on depthwise
+# layers of small kernels and large planes; so a grad_weight chunk also holds, counted as the profiler saw it held
+# (``ConvSpec.fft_weight_chunks``: 4 spectra per depthwise sample and group), at most this many times that scratch
+# (issue 28's 2x), or CHUNK_MIN_REALS on small layers (few chunks, both gradients in one pass). fft_memory.md:
+# ConvNeXt 7x7 1 group of 16 samples a chunk (1.33x; 2 went 2.64x), 3D UX-Net 2 groups of 54^3 bins (1.49x; 3
+# model 2.29x; 1 ran 1.1x slower in the 64-weight rule's timing), no other layer's chunks change
+WEIGHT_SCRATCH_RATIO = 2
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     """The plan of ``gradient`` (grad_input, grad_weight, or output: the convolution itself) for ``spec``.
 
     Chunks (``ConvSpec.fft_chunks``) hold about ``max(CHUNK_MIN_REALS, spec.side_elements // 4)`` reals of spectra;
-    grad_weight's also no more groups than fit ``WEIGHT_CHUNK_RESULTS`` times the weight's elements (at least one).
+    grad_weight's also no more than ``WEIGHT_SCRATCH_RATIO`` times native's scratch, at least ``CHUNK_MIN_REALS``
+    (``ConvSpec.fft_weight_chunks``).
 
     Raises:
         ValueError: an unknown gradient.
@@ -134,9 +138,9 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     p = math.prod([len(d.phases) for d in dims])
     budget = max(CHUNK_MIN_REALS, spec.side_elements // 4)
     chunks = spec.fft_chunks(p, budget)
-    if gradient == "grad_weight":  # fewer groups only: at least one, and the samples the budget gives
-        most = spec.fft_chunks(p, WEIGHT_CHUNK_RESULTS * math.prod(spec.weight_shape))[0]
-        chunks = (min(chunks[0], most), chunks[1])
+    if gradient == "grad_weight":  # never more groups or samples than the side's budget gives
+        most = spec.fft_weight_chunks(p, max(CHUNK_MIN_REALS, WEIGHT_SCRATCH_RATIO * spec.native_weight_scratch))
+        chunks = (min(chunks[0], most[0]), min(chunks[1], most[1]))
     a, b = spec.y_group_channels, spec.x_group_channels * p
     # a group's kernel spectra over the chunk budget (C_y/g (C_x/g) P F complex) are held a slice of rows at a time,
     # so that fft's peak stays near native's (issue 28's memory target)
