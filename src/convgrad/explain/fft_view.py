@@ -11,6 +11,7 @@ keeps. Animation and pages (frames) refuse fft plans (``frames_refused``).
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +154,8 @@ def plot(spec: ConvSpec, plans: dict[str, Any], gradients: tuple[str, ...], path
                       aspect="equal" if spec.n > 1 else "auto", interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
-            ax.set_title(_titled(plan, _TITLES[plan.kind][col]), fontsize=8)
+            # two lines at most 32 wide: three one-line titles of 8 inches ran into each other
+            ax.set_title(textwrap.fill(_titled(plan, _TITLES[plan.kind][col]), 32), fontsize=8)
             if col == 0:  # a 3d grid is drawn by its last two dims (``_grid``): say so, or (4, 4, 3) reads as (4, 3)
                 shown_dims = "\nthe last two spatial dims" if spec.n > 2 else ""
                 ax.set_ylabel(f"{gradient}\nL = {plan.sizes}{shown_dims}", fontsize=8)
@@ -167,7 +169,9 @@ def plot(spec: ConvSpec, plans: dict[str, Any], gradients: tuple[str, ...], path
     fig.legend(handles=[Patch(color=c, label=lab) for c, lab in
                         zip(COLOURS, ("zero (padding to L)", "data / taps", "kept by the crop", "cropped"),
                             strict=True)], loc="lower center", ncol=4, fontsize=7)
-    fig.subplots_adjust(bottom=0.8 / height, top=1 - 0.5 / height, hspace=0.5 if spec.n > 1 else 0.9)
+    # the title's lines (a second one names the gradients drawn elsewhere) and the panels' two-line titles above
+    fig.subplots_adjust(bottom=0.8 / height, top=1 - (0.6 + 0.15 * note.count("\n")) / height,
+                        hspace=0.6 if spec.n > 1 else 1.1)
     if path is not None:
         fig.savefig(Path(path))
     return fig
