@@ -34,7 +34,7 @@ def test_fft_holds_at_most_a_chunk_budget_of_one_groups_kernel_spectra(name: str
     (the least it can). wav2vec2.posconv (48 x 48 channels per group, 576 bins) held all 1.33M reals of a group with a
     budget of 384k, since they fit the weight's size: its forward peaked at 3.15x native's."""
     spec = LARGE[name]
-    budget = max(fft_plans.CHUNK_MIN_REALS, spec.side_elements // 4)
+    budget = spec.fft_budget(fft_plans.CHUNK_MIN_REALS)
     for gradient in GRADIENTS:
         p = fft.plan(spec, gradient)
         held = p.row_chunk * p.group_channels[2] * 2 * math.prod(p.bins(True))
@@ -42,19 +42,21 @@ def test_fft_holds_at_most_a_chunk_budget_of_one_groups_kernel_spectra(name: str
 
 
 # per layer: (the forward's and grad_input's chunks, grad_weight's), (groups, samples); only where native's grad_weight
-# peak is far below a quarter of x and y (3D UX-Net, ConvNeXt) does grad_weight take fewer groups
-CHUNKS = {"replknet.dw31": ((19, 4), (19, 4)), "slak.dw51x5": ((11, 2), (11, 2)),
-          "unireplknet.dw13": ((35, 8), (35, 8)), "wav2vec2.posconv": ((1, 2), (1, 2)),
-          "hyena.long1d": ((25, 2), (25, 2)), "sincnet.k251": ((1, 1), (1, 1)),
+# peak is far below the budget (3D UX-Net, ConvNeXt) does grad_weight take fewer groups. The budget is the smaller of x
+# and y on depthwise layers where x and y are alike (twice the groups of a quarter of both), a quarter of both on
+# SincNet and on the grouped or dense layers (wav2vec2, HiFi-GAN, ResNet), CHUNK_MIN_REALS on wav2letter
+CHUNKS = {"replknet.dw31": ((39, 4), (39, 4)), "slak.dw51x5": ((23, 2), (23, 2)),
+          "unireplknet.dw13": ((67, 8), (67, 8)), "wav2vec2.posconv": ((1, 2), (1, 2)),
+          "hyena.long1d": ((51, 2), (51, 2)), "sincnet.k251": ((1, 1), (1, 1)),
           "wav2letter.k250s160": ((1, 14), (1, 14)), "hifigan.up16s8": ((1, 1), (1, 1)),
-          "3duxnet.dw7x7x7": ((5, 1), (2, 1)), "convnext.dw7x7": ((19, 16), (2, 16)),
+          "3duxnet.dw7x7x7": ((10, 1), (2, 1)), "convnext.dw7x7": ((39, 16), (2, 16)),
           "resnet50.3x3@28": ((1, 3), (1, 3))}
 
 
 def test_fft_chunks_of_every_large_layer() -> None:
     """The exact chunks of every plan of the large suite: grad_weight's groups are cut to what fits
-    ``WEIGHT_CHUNK_RESULTS`` weights on 3D UX-Net (5 -> 2) and ConvNeXt (19 -> 2) only; every other layer, and every
-    forward and grad_input, keeps the chunks of a quarter of its x and y (so fft's speed there is unchanged)."""
+    ``WEIGHT_CHUNK_RESULTS`` weights on 3D UX-Net (10 -> 2) and ConvNeXt (39 -> 2) only; every other layer, and every
+    forward and grad_input, takes the chunks of ``ConvSpec.fft_budget``."""
     assert sorted(CHUNKS) == sorted(LARGE)
     got = {name: ((fft.plan(spec, "output").chunks, fft.plan(spec, "grad_input").chunks),
                   fft.plan(spec, "grad_weight").chunks) for name, spec in LARGE.items()}

@@ -18,8 +18,8 @@ __all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_CHUNK_RESULTS", "FftPlan", "FftSt
 
 Shape = tuple[int, ...]
 KINDS = ("y_from_x", "x_from_y", "w_from_xy")
-# One chunk's spectra hold about max(CHUNK_MIN_REALS, a quarter of the layer's x and y elements) reals: with the
-# inverse transform and the result beside them, a backward's peak stays near native's (benchmarks/large_kernels.py).
+# One chunk's spectra hold about ConvSpec.fft_budget(CHUNK_MIN_REALS) reals: a quarter of the layer's x and y, the
+# smaller of them on depthwise layers, at least this many (each call's peak under 1.8x native's: fft_memory.md).
 CHUNK_MIN_REALS = 2**18
 # grad_weight's result is the weight, and native's peak there is a scratch that does not grow with the batch, far
 # under a quarter of x and y on depthwise layers of small kernels and large planes; so a grad_weight chunk also holds
@@ -111,7 +111,7 @@ class FftPlan:
 def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     """The plan of ``gradient`` (grad_input, grad_weight, or output: the convolution itself) for ``spec``.
 
-    Chunks (``ConvSpec.fft_chunks``) hold about ``max(CHUNK_MIN_REALS, spec.side_elements // 4)`` reals of spectra;
+    Chunks (``ConvSpec.fft_chunks``) hold about ``spec.fft_budget(CHUNK_MIN_REALS)`` reals of spectra;
     grad_weight's also no more groups than fit ``WEIGHT_CHUNK_RESULTS`` times the weight's elements (at least one).
 
     Raises:
@@ -124,7 +124,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         ('y_from_x', (45, 48), ['pad', 'phases', 'taps', 'transform', 'product', 'inverse', 'crop'])
         >>> uxnet = ConvSpec.from_shapes((1, 48, 48, 48, 48), (48, 1, 7, 7, 7), padding=3, groups=48)
         >>> plan(uxnet, "output").chunks, plan(uxnet, "grad_weight").chunks
-        ((5, 1), (2, 1))
+        ((10, 1), (2, 1))
     """
     kinds = {"grad_input": "y_from_x" if spec.transposed else "x_from_y", "grad_weight": "w_from_xy",
              "output": "x_from_y" if spec.transposed else "y_from_x"}
@@ -132,7 +132,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
     kind, dims = kinds[gradient], spec.fft_phases
     p = math.prod([len(d.phases) for d in dims])
-    budget = max(CHUNK_MIN_REALS, spec.side_elements // 4)
+    budget = spec.fft_budget(CHUNK_MIN_REALS)
     chunks = spec.fft_chunks(p, budget)
     if gradient == "grad_weight":  # fewer groups only: at least one, and the samples the budget gives
         most = spec.fft_chunks(p, WEIGHT_CHUNK_RESULTS * math.prod(spec.weight_shape))[0]
