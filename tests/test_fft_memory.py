@@ -6,7 +6,8 @@ small scratch). The slow tier measures, at their real sizes, the calls that were
 of live bytes, deterministic whatever the load): wav2vec2.posconv's forward (a group's spectra under the old
 row-slicing trigger, the weight's size), wav2letter.k250s160's gradients (y's spectra of every row, and the previous
 slice's spectra, held while a slice was transformed), and 3duxnet.dw7x7x7's grad_weight (5 groups of 54^3 bins a
-chunk, sized by a quarter of x and y, where native's peak is a 3.4 MiB scratch; 2 a chunk now).
+chunk, sized by a quarter of x and y, where native's peak is a 3.4 MiB scratch; 2 a chunk now), and UniRepLKNet's
+forward and grad_weight, the closest to 2x of the depthwise layers' budget (``ConvSpec.fft_budget``: 1.68x, 1.61x).
 ``python benchmarks/large_kernels.py --memory-only`` gives the whole suite (benchmarks/results/fft_memory.md).
 """
 
@@ -75,7 +76,8 @@ def bench() -> ModuleType:
 @pytest.mark.slow
 @pytest.mark.parametrize("name, call", [("wav2vec2.posconv", "forward"), ("wav2letter.k250s160", "grad_input"),
                                         ("wav2letter.k250s160", "grad_weight"), ("wav2letter.k250s160", "forward"),
-                                        ("3duxnet.dw7x7x7", "grad_weight")])
+                                        ("3duxnet.dw7x7x7", "grad_weight"), ("unireplknet.dw13", "forward"),
+                                        ("unireplknet.dw13", "grad_weight")])
 def test_fft_peak_is_at_most_twice_natives(bench: ModuleType, name: str, call: str) -> None:
     """The real layer, float32, 2 threads: fft's peak of live bytes during the call is at most 2x native's."""
     threads = torch.get_num_threads()
