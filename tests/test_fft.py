@@ -205,11 +205,11 @@ def test_fft_kernel_rows_split_evenly_within_the_kernel_budget() -> None:
     bins = 2 * (p.sizes[-1] // 2 + 1)
     a, _, b = p.group_channels
     assert (a, b) == (512, 2048)
-    budget = max(fft_plans.CHUNK_MIN_REALS, spec.side_elements // 4)
+    budget = spec.fft_budget(fft_plans.CHUNK_MIN_REALS)
     assert 1 <= p.row_chunk < a and p.row_chunk * b * bins <= budget  # a slice within the chunk budget
     depthwise = ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256)
     assert fft.plan(depthwise, "grad_weight").row_chunk == 1  # A = 1: all rows, chunked as before
-    assert fft.plan(depthwise, "grad_weight").chunks == depthwise.fft_chunks(1, depthwise.side_elements // 4)
+    assert fft.plan(depthwise, "grad_weight").chunks == depthwise.fft_chunks(1, depthwise.fft_budget(1))
 
 
 def test_fft_transform_length_drops_the_padding_rows_that_wrap_onto_zeros() -> None:

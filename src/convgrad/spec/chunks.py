@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["CHUNK_BYTES", "PHASE_CHUNK_BYTES", "chunk_ranges", "equal_chunk", "fft_chunks", "fft_kernel_rows",
-           "fft_per_sample_chunks"]
+__all__ = ["CHUNK_BYTES", "PHASE_CHUNK_BYTES", "chunk_ranges", "equal_chunk", "fft_budget", "fft_chunks",
+           "fft_kernel_rows", "fft_per_sample_chunks"]
 
 CHUNK_BYTES = 4 * 2**20
 PHASE_CHUNK_BYTES = 16 * 2**20
@@ -37,6 +37,36 @@ def equal_chunk(total: int, most: int) -> int:
     """
     count = -(-total // min(most, total))
     return -(-total // count)
+
+
+def fft_budget(x_elements: int, y_elements: int, rows: int, least: int) -> int:
+    """The reals of spectra one chunk of the FFT backend holds: ``max(least, (x + y) // 4)``, and at least
+    ``min(x, y)`` where a group has one kernel row (``rows == 1``: depthwise).
+
+    fft's peak is its result plus about 8 bytes per budget real (float32: a chunk's spectra and their product or
+    inverse), native's about twice its result (forward) or more, so the smaller side keeps a depthwise layer's calls
+    within 1.7x native's (UniRepLKNet 13x13's forward: 1.68x; benchmarks/results/fft_memory.md). With several rows
+    a group's kernel spectra are held a slice at a time (``fft_kernel_rows``), up to a budget beside the samples'
+    spectra: a quarter of x and y (wav2vec 2.0's forward at the smaller side: 1.87x). Where x and y differ (SincNet's
+    y is 79x its x) a quarter of both is the larger. Twice the groups a chunk ran RepLKNet's, SLaK's, UniRepLKNet's
+    and Hyena's fft calls 1.05-1.29x faster (2 threads, quiet, interleaved with the quarter); 3D UX-Net's no faster.
+
+    Args:
+        x_elements: elements of the big side x, whole batch (int, >= 0).
+        y_elements: elements of the small side y, whole batch (int, >= 0).
+        rows: kernel rows (y channels) per group (int, >= 1).
+        least: the smallest budget (int, >= 1): chunks of tiny layers are not worth splitting further.
+
+    Returns:
+        The budget in reals (int, >= ``least``).
+
+    Examples:
+        >>> fft_budget(802816, 802816, 1, 2**18), fft_budget(802816, 802816, 48, 2**18)
+        (802816, 401408)
+        >>> fft_budget(128000, 10080000, 1, 2**18), fft_budget(10, 10, 1, 2**18)
+        (2552000, 262144)
+    """
+    return max(least, (x_elements + y_elements) // 4, min(x_elements, y_elements) if rows == 1 else 0)
 
 
 def fft_chunks(kernel: int, sample: int, batch: int, groups: int, budget: int) -> tuple[int, int]:

@@ -377,6 +377,17 @@ class ConvSpec:
         return tuple(formulation.fft_phase(i, k, s, d, o, pads, size, last=j == self.n - 1)
                      for j, (i, k, s, d, o, pads, size) in enumerate(dims))
 
+    def fft_budget(self, least: int) -> int:
+        """The reals of spectra one chunk of the FFT backend holds (``chunks.fft_budget`` of x's and y's elements and
+        the kernel rows per group).
+
+        Examples:
+            >>> ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256).fft_budget(2**18)
+            802816
+        """
+        return chunks.fft_budget(math.prod(self.x_shape), math.prod(self.y_shape), self.y_channels // self.groups,
+                                 least)
+
     def fft_chunks(self, phase_count: int, budget: int) -> tuple[int, int]:
         """(groups, samples) per chunk of the FFT backend, so that one chunk's spectra hold about ``budget`` reals:
         per group the kernel spectra hold (C_y/g)(C_x/g)P complex bins per frequency, per group and sample the

@@ -17,11 +17,11 @@ correlation needs to wrap zeros onto zeros: U rows of a phase less the fewer of 
 rows (``ConvSpec.fft_phases``; the docs' "Derivation" page).
 
 A gradient is a plan (``plan``: shapes only, the steps ``explain`` shows) run by ``execute``. Work is chunked
-over groups and samples (``ConvSpec.fft_chunks``) so that one chunk's spectra hold about a quarter of the
-layer's own input and grad_output in reals, and a dense layer's kernel spectra a slice of rows at a time
-(``spec.chunks.fft_kernel_rows``: no more than one chunk's budget). Every op is differentiable (pad,
-index_select, rfftn, products, irfftn, slicing), so gradients of any order come from autograd. Half precision
-is computed in float32.
+over groups and samples (``ConvSpec.fft_chunks``) so that one chunk's spectra hold about ``ConvSpec.fft_budget``
+reals (a quarter of the layer's x and y, the smaller of them on depthwise layers), and a dense layer's kernel spectra
+a slice of rows at a time (``spec.chunks.fft_kernel_rows``: no more than one chunk's budget). Every op is
+differentiable (pad, index_select, rfftn, products, irfftn, slicing), so gradients of any order come from autograd.
+Half precision is computed in float32.
 
 The package: ``plans`` (shapes only: the steps), ``transforms`` (each step on tensors), ``execute`` (chunks),
 ``cost`` (auto's cost model and check's error bound), and here the registered backend.

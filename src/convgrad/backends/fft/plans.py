@@ -18,8 +18,8 @@ __all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_SCRATCH_RATIO", "FftPlan", "FftSt
 
 Shape = tuple[int, ...]
 KINDS = ("y_from_x", "x_from_y", "w_from_xy")
-# One chunk's spectra hold about max(CHUNK_MIN_REALS, a quarter of the layer's x and y elements) reals: with the
-# inverse transform and the result beside them, a backward's peak stays near native's (benchmarks/large_kernels.py).
+# One chunk's spectra hold about ConvSpec.fft_budget(CHUNK_MIN_REALS) reals: a quarter of the layer's x and y, the
+# smaller of them on depthwise layers, at least this many (each call's peak under 1.8x native's: fft_memory.md).
 CHUNK_MIN_REALS = 2**18
 # grad_weight's native peak is a scratch that does not grow with the batch (``ConvSpec.native_weight_scratch``, a
 # lower bound: one channel's taps over one plane of y and 4 weights), far under a quarter of x and y on depthwise
@@ -114,7 +114,7 @@ class FftPlan:
 def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     """The plan of ``gradient`` (grad_input, grad_weight, or output: the convolution itself) for ``spec``.
 
-    Chunks (``ConvSpec.fft_chunks``) hold about ``max(CHUNK_MIN_REALS, spec.side_elements // 4)`` reals of spectra;
+    Chunks (``ConvSpec.fft_chunks``) hold about ``spec.fft_budget(CHUNK_MIN_REALS)`` reals of spectra;
     grad_weight's also no more than ``WEIGHT_SCRATCH_RATIO`` times native's scratch, at least ``CHUNK_MIN_REALS``
     (``ConvSpec.fft_weight_chunks``).
 
@@ -128,7 +128,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         ('y_from_x', (45, 48), ['pad', 'phases', 'taps', 'transform', 'product', 'inverse', 'crop'])
         >>> uxnet = ConvSpec.from_shapes((1, 48, 48, 48, 48), (48, 1, 7, 7, 7), padding=3, groups=48)
         >>> plan(uxnet, "output").chunks, plan(uxnet, "grad_weight").chunks
-        ((5, 1), (2, 1))
+        ((10, 1), (2, 1))
     """
     kinds = {"grad_input": "y_from_x" if spec.transposed else "x_from_y", "grad_weight": "w_from_xy",
              "output": "x_from_y" if spec.transposed else "y_from_x"}
@@ -136,7 +136,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
     kind, dims = kinds[gradient], spec.fft_phases
     p = math.prod([len(d.phases) for d in dims])
-    budget = max(CHUNK_MIN_REALS, spec.side_elements // 4)
+    budget = spec.fft_budget(CHUNK_MIN_REALS)
     chunks = spec.fft_chunks(p, budget)
     if gradient == "grad_weight":  # never more groups or samples than the side's budget gives
         most = spec.fft_weight_chunks(p, max(CHUNK_MIN_REALS, WEIGHT_SCRATCH_RATIO * spec.native_weight_scratch))
