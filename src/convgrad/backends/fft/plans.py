@@ -163,6 +163,8 @@ def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
               "the last dim first over the data's rows only, then each earlier dim, each padded as it is reached")
     inverse = ("inverse transform and cut, pruned on large grids (transforms.PRUNE_MIN_POINTS): the earlier dims "
                "first, each cut to its kept rows before the next, the last dim on the remaining rows only")
+    if nd == 1:  # pruning transforms the earlier dims apart from the last: a 1d grid has none (transforms._pays)
+        pruned, inverse = "one real FFT per row", "inverse transform and cut"
     x_steps = (FftStep("pad", f"pad x by {whole} (negative = crop) to stride * M rows, M = {rows} whole rows a phase",
                        (n, cx, *(s * r for s, r in zip(spec.stride, rows))),
                        ("xs = tf.to_phases(x, dims, stride)  # pad, then the phases as channels: (n, C_x*P, *M)",)),
