@@ -11,7 +11,7 @@ Two byte budgets, because they bound different working sets:
 
 from __future__ import annotations
 
-import math
+from convgrad.spec.formulation import rfft_bins
 
 __all__ = ["CHUNK_BYTES", "PHASE_CHUNK_BYTES", "chunk_ranges", "equal_chunk", "fft_budget", "fft_chunks",
            "fft_kernel_rows", "fft_per_sample_chunks"]
@@ -142,7 +142,7 @@ def fft_kernel_rows(sizes: tuple[int, ...], a: int, b: int, batch: int, budget: 
         >>> fft_kernel_rows((10,), a=8, b=4, batch=3, budget=100)  # 2 rows of 48 = 96
         (2, 1)
     """
-    bins = 2 * math.prod(sizes[:-1]) * (sizes[-1] // 2 + 1)
+    bins = 2 * rfft_bins(sizes)  # reals
     if a * b * bins <= budget:
         return a, max(batch, 1)
     rows = equal_chunk(a, max(1, budget // (b * bins)))

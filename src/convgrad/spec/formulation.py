@@ -15,8 +15,8 @@ from typing import NamedTuple
 from convgrad.spec.arguments import Pair
 
 __all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "fft_size", "leftover_rows", "output_rows",
-           "pad_split", "pad_then_crop", "pad_to_rows", "padded_sizes", "phase_data_rows", "phase_taps", "smooth_size",
-           "stride_phase", "strided_crop", "subpixel_dim", "tap_reads_only_padding", "tap_rows",
+           "pad_split", "pad_then_crop", "pad_to_rows", "padded_sizes", "phase_data_rows", "phase_taps", "rfft_bins",
+           "smooth_size", "stride_phase", "strided_crop", "subpixel_dim", "tap_reads_only_padding", "tap_rows",
            "transposed_output_rows"]
 
 
@@ -190,6 +190,18 @@ def fft_size(n: int) -> int:
     while size % 2 and size > 1:
         size = smooth_size(size + 1)
     return size
+
+
+def rfft_bins(sizes: Iterable[int]) -> int:
+    """The complex bins of a real N-d transform of ``sizes``: prod(sizes[:-1]) * (sizes[-1] // 2 + 1), the last dim
+    halved by conjugate symmetry (rfftn's output).
+
+    Examples:
+        >>> rfft_bins((10,)), rfft_bins((45, 48))
+        (6, 1125)
+    """
+    *lead, last = sizes
+    return math.prod(lead) * (last // 2 + 1)
 
 
 def phase_taps(i: int, k: int, s: int, d: int, p_lo: int, o: int) -> tuple[PhaseTaps | None, ...]:

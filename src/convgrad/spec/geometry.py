@@ -385,8 +385,7 @@ class ConvSpec:
             >>> ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256).fft_budget(2**18)
             802816
         """
-        return chunks.fft_budget(math.prod(self.x_shape), math.prod(self.y_shape), self.y_channels // self.groups,
-                                 least)
+        return chunks.fft_budget(math.prod(self.x_shape), math.prod(self.y_shape), self.y_group_channels, least)
 
     def fft_chunks(self, phase_count: int, budget: int) -> tuple[int, int]:
         """(groups, samples) per chunk of the FFT backend, so that one chunk's spectra hold about ``budget`` reals:
@@ -419,8 +418,18 @@ class ConvSpec:
 
     def _fft_group_reals(self, phase_count: int) -> tuple[int, int, int]:
         """(C_y/g, (C_x/g)P, reals of one complex spectrum of a real transform of the fft sizes)."""
-        bins = 2 * math.prod([f.size for f in self.fft_phases[:-1]]) * (self.fft_phases[-1].size // 2 + 1)
-        return self.y_group_channels, self.x_group_channels * phase_count, bins
+        return self.y_group_channels, self.x_group_channels * phase_count, 2 * self.fft_bins
+
+    @property
+    def fft_bins(self) -> int:
+        """The complex bins of one spectrum of the FFT backend: a real transform of the lengths of ``fft_phases``
+        (``formulation.rfft_bins``).
+
+        Examples:
+            >>> ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256).fft_bins
+            1125
+        """
+        return formulation.rfft_bins(f.size for f in self.fft_phases)
 
     @property
     def native_weight_scratch(self) -> int:
@@ -451,7 +460,7 @@ class ConvSpec:
         """
         dims = self.fft_phases
         volume = math.prod([f.size for f in dims])
-        bins = 2 * volume // dims[-1].size * (dims[-1].size // 2 + 1)
+        bins = 2 * self.fft_bins  # reals
         a, b0 = self.y_group_channels, self.x_group_channels
         b = b0 * phase_count
         return chunks.fft_per_sample_chunks((a + b) * bins, b * (bins + volume) + b0 * self.taps, self.batch,

@@ -33,7 +33,7 @@ def estimate_flops(spec: ConvSpec) -> tuple[float, float]:
     dims = spec.fft_phases
     p = math.prod([len(d.phases) for d in dims])
     volume = math.prod([d.size for d in dims])
-    bins = volume // dims[-1].size * (dims[-1].size // 2 + 1)
+    bins = spec.fft_bins
     n, cx, cy, cxg = spec.batch, spec.x_channels, spec.y_channels, spec.x_group_channels
     transforms = 2 * (n * cy + n * cx * p) + 2 * cy * cxg * p
     products = 2 * n * cy * cxg * p * bins

@@ -140,7 +140,7 @@ def estimate_flops(spec: ConvSpec) -> float:
     dims = spec.fft_phases
     p = math.prod([len(d.phases) for d in dims])
     volume = math.prod([d.size for d in dims])
-    bins = volume // dims[-1].size * (dims[-1].size // 2 + 1)
+    bins = spec.fft_bins
     n, cx, cy = spec.batch, spec.x_channels, spec.y_channels
     products = n * cy * spec.x_group_channels * p
     transforms = n * (cx * p + cy) + products
