@@ -196,6 +196,12 @@ def rfft_bins(sizes: Iterable[int]) -> int:
     """The complex bins of a real N-d transform of ``sizes``: prod(sizes[:-1]) * (sizes[-1] // 2 + 1), the last dim
     halved by conjugate symmetry (rfftn's output).
 
+    Args:
+        sizes: the transform lengths, one per dim (ints >= 1, at least one).
+
+    Returns:
+        The number of complex bins (int).
+
     Examples:
         >>> rfft_bins((10,)), rfft_bins((45, 48))
         (6, 1125)

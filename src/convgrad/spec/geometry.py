@@ -381,6 +381,12 @@ class ConvSpec:
         """The reals of spectra one chunk of the FFT backend holds (``chunks.fft_budget`` of x's and y's elements and
         the kernel rows per group).
 
+        Args:
+            least: the smallest budget in reals (int, >= 1; the fft plans pass ``plans.CHUNK_MIN_REALS``).
+
+        Returns:
+            The budget in reals (int, >= ``least``).
+
         Examples:
             >>> ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256).fft_budget(2**18)
             802816
@@ -407,6 +413,13 @@ class ConvSpec:
         ``budget`` reals: per group and sample 2((C_x/g)P + C_y/g) complex bins, x's and y's spectra, y's conjugate
         resolved and their product before the sum over samples (the torch profiler on depthwise layers: 4 spectra
         of a sample and group at the peak, the sum comes after; ``benchmarks/large_kernels.py``'s ``peak_bytes``).
+
+        Args:
+            phase_count: P, the live phases of x (int, >= 1; ``FftPlan.phase_count``).
+            budget: reals the chunk may hold (int, >= 1).
+
+        Returns:
+            ``(groups, samples)`` per chunk, each at least 1 (``chunks.fft_chunks`` with no per-group kernel term).
 
         Examples:
             >>> spec = ConvSpec.from_shapes((16, 96, 56, 56), (96, 1, 7, 7), padding=3, groups=96)
