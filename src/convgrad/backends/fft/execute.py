@@ -354,12 +354,16 @@ def _both_from_y(pi: FftPlan, pw: FftPlan, y: torch.Tensor, x: torch.Tensor, w: 
             xf = tf.x_bins(yf.reshape(n1 - n0, g1 - g0, a, -1), whole)  # type: ignore[arg-type]  # (n', g', B, F)
             gi.put(n0, n1, g0 * b0, g1 * b0, _x_side(pi, xf, real))  # (n', g'*B0, *i)
             del xf  # not held while x's spectra are made
-            yr = tf.reversed_spectrum(yf, spec.n, real).reshape(n1 - n0, g1 - g0, a, -1)  # (n', g', A, F)
-            term = tf.w_bins(_x_bins(pw, x, n0, n1, g0, g1), yr)  # (g', A, B, F)
-            del yf, yr
-            acc = term if acc is None else acc + term
+            xs = _x_bins(pw, x, n0, n1, g0, g1)  # (n', g', B, F)
+            if real:  # sum_n ~Y X = conj(sum_n Y ~X): the conj on x's spectra, A times smaller than y's where B = 1
+                yr, xs = yf.reshape(n1 - n0, g1 - g0, a, -1), xs.conj()  # (n', g', A, F)
+            else:
+                yr = tf.reversed_spectrum(yf, spec.n, real).reshape(n1 - n0, g1 - g0, a, -1)  # (n', g', A, F)
+            term = tf.w_bins(xs, yr)  # (g', A, B, F), a fresh tensor: summed into in place
+            del yf, yr, xs
+            acc = term if acc is None else acc.add_(term)
             del term
-        parts.append(_w_rows(pw, acc, real))  # type: ignore[arg-type]  # (g'*A, B, *Q)
+        parts.append(_w_rows(pw, acc.conj() if real else acc, real))  # type: ignore[union-attr, arg-type]  # (g'*A, B, *Q)
     return gi.tensor, _w_taps(pw, parts)  # (N, C_x, *i), (C_y, C_x/g, *k)
 
 
