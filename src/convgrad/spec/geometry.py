@@ -377,6 +377,22 @@ class ConvSpec:
         return tuple(formulation.fft_phase(i, k, s, d, o, pads, size, last=j == self.n - 1)
                      for j, (i, k, s, d, o, pads, size) in enumerate(dims))
 
+    @property
+    def fft_phase_count(self) -> int:
+        """P: the live phases of the read x in the FFT backend's polyphase split, the product over dims of the phases
+        some tap reaches (``fft_phases``); at most prod(s/gcd(s, d)).
+
+        Returns:
+            P (int, >= 1).
+
+        Examples:
+            >>> ConvSpec.from_shapes((1, 1, 9, 9), (1, 1, 3, 3), stride=2).fft_phase_count
+            4
+            >>> ConvSpec.from_shapes((1, 1, 9, 9), (1, 1, 3, 3), stride=2, dilation=2).fft_phase_count
+            1
+        """
+        return math.prod([len(f.phases) for f in self.fft_phases])
+
     def fft_budget(self, least: int) -> int:
         """The reals of spectra one chunk of the FFT backend holds (``chunks.fft_budget`` of x's and y's elements and
         the kernel rows per group).
@@ -415,7 +431,7 @@ class ConvSpec:
         of a sample and group at the peak, the sum comes after; ``benchmarks/large_kernels.py``'s ``peak_bytes``).
 
         Args:
-            phase_count: P, the live phases of x (int, >= 1; ``FftPlan.phase_count``).
+            phase_count: P, the live phases of x (int, >= 1; ``fft_phase_count``).
             budget: reals the chunk may hold (int, >= 1).
 
         Returns:

@@ -31,7 +31,7 @@ def estimate_flops(spec: ConvSpec) -> tuple[float, float]:
         True
     """
     dims = spec.fft_phases
-    p = math.prod([len(d.phases) for d in dims])
+    p = spec.fft_phase_count
     volume = math.prod([d.size for d in dims])
     bins = spec.fft_bins
     n, cx, cy, cxg = spec.batch, spec.x_channels, spec.y_channels, spec.x_group_channels

@@ -7,7 +7,6 @@ are split into) and its steps: pad, phases, taps, transform, product, inverse, c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from convgrad.errors import ConvgradValueError
@@ -59,6 +58,7 @@ class FftPlan:
     dims: tuple[FftDim, ...]
     chunks: tuple[int, int]  # (groups, samples) per chunk
     steps: tuple[FftStep, ...]
+    phase_count: int  # P, the live phases: spec.fft_phase_count, held because execute reads it per chunk
     method: str = "fft"
     rows: int = 0  # kernel rows (y channels of one group) whose spectra are held at once; 0: all of them
 
@@ -66,10 +66,6 @@ class FftPlan:
     def row_chunk(self) -> int:
         """The kernel rows per chunk: ``rows``, or all C_y/g when 0. Fewer than all only with one group per chunk."""
         return self.rows or self.spec.y_group_channels
-
-    @property
-    def phase_count(self) -> int:
-        return math.prod([len(d.phases) for d in self.dims])
 
     @property
     def sizes(self) -> Shape:
@@ -135,7 +131,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     if gradient not in kinds:
         raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
     kind, dims = kinds[gradient], spec.fft_phases
-    p = math.prod([len(d.phases) for d in dims])
+    p = spec.fft_phase_count
     budget = spec.fft_budget(CHUNK_MIN_REALS)
     chunks = spec.fft_chunks(p, budget)
     if gradient == "grad_weight":  # never more groups or samples than the side's budget gives
@@ -147,7 +143,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
     if rows < a:
         chunks = (1, samples)
-    bare = FftPlan(gradient, spec, kind, dims, chunks, (), rows=rows)
+    bare = FftPlan(gradient, spec, kind, dims, chunks, (), p, rows=rows)
     return replace(bare, steps=_steps(bare))
 
 
