@@ -4,6 +4,7 @@ half precision, chunking, its geometry in spec/ (ConvSpec.fft_chunks), and auto'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -130,12 +131,12 @@ def test_fft_gradcheck_1d_and_3d() -> None:
     assert_gradchecks("fft", (1, 1, 4, 3, 4), (2, 1, 2, 2, 3), dict(stride=(1, 2, 1), padding=1))
 
 
-def test_fft_chunks_over_groups_and_samples_give_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fft_chunks_over_groups_and_samples_give_the_same_result(fft_plan_constants: Callable[..., None]) -> None:
     """A tiny budget forces several chunks of groups and of samples; the result does not change."""
     case = Case((5, 6, 14, 14), (6, 2, 9, 9), stride=2, padding=4, groups=3, name="chunked")
     t = make_tensors(case)
     whole = _ours(case, t)
-    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+    fft_plan_constants(CHUNK_MIN_REALS=1)
     p = fft.plan(case.spec(), "grad_input")
     assert p.chunks[0] < 3 and p.chunks[1] < 5, p.chunks
     for a, b in zip(_ours(case, t), whole):
@@ -146,11 +147,11 @@ def test_fft_chunks_over_groups_and_samples_give_the_same_result(monkeypatch: py
 @pytest.mark.parametrize("case", [Case((5, 1, 40), (6, 1, 9), padding=3, name="1d-one-input-channel"),
                                   Case((4, 3, 10, 10), (3, 1, 5, 4), padding=((2, 1), (1, 2)), groups=3,
                                        name="2d-depthwise")], ids=lambda c: c.name)
-def test_fft_forward_in_sample_chunks_shares_one_kernel_spectrum(case: Case, monkeypatch: pytest.MonkeyPatch
+def test_fft_forward_in_sample_chunks_shares_one_kernel_spectrum(case: Case, fft_plan_constants: Callable[..., None]
                                                                  ) -> None:
     """Several sample chunks read one kernel spectrum W(-f), its lazy conj resolved once (one x channel per group:
     the broadcast product); real and complex data give torch's forward."""
-    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+    fft_plan_constants(CHUNK_MIN_REALS=1)
     spec = case.spec()
     assert fft.plan(spec, "output").chunks[1] < spec.batch
     t = make_tensors(case)
@@ -170,10 +171,10 @@ ROW_CHUNKED = [
 
 @pytest.mark.parametrize("case", ROW_CHUNKED, ids=lambda c: c.name)
 def test_fft_kernel_spectra_held_a_slice_of_rows_at_a_time_give_the_same_result(
-        case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+        case: Case, fft_plan_constants: Callable[..., None]) -> None:
     """A tiny budget splits a group's kernel spectra into several chunks of rows (y channels), with samples chunked
     too: the forward and both gradients still match torch autograd in float64 (a dense layer's fft memory, issue 28)."""
-    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+    fft_plan_constants(CHUNK_MIN_REALS=1)
     spec = case.spec()
     a = spec.y_channels // spec.groups
     for gradient in ("grad_input", "grad_weight", "output"):
@@ -186,9 +187,9 @@ def test_fft_kernel_spectra_held_a_slice_of_rows_at_a_time_give_the_same_result(
 
 
 @pytest.mark.parametrize("case", [ROW_CHUNKED[1], ROW_CHUNKED[2]], ids=lambda c: c.name)
-def test_fft_kernel_rows_in_slices_complex(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fft_kernel_rows_in_slices_complex(case: Case, fft_plan_constants: Callable[..., None]) -> None:
     """Complex data through the row slices: the reversed spectrum of a complex kernel is a flip and roll, not conj."""
-    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+    fft_plan_constants(CHUNK_MIN_REALS=1)
     assert fft.plan(case.spec(), "grad_input").row_chunk < case.spec().y_channels
     t = {k: torch.complex(v, v.flip(0) if v.dim() else v) for k, v in make_tensors(case).items()}
     ref = reference_grads(case, t)
@@ -256,6 +257,18 @@ def test_fft_plan_lists_its_steps_in_order() -> None:
     names = [s.name for s in fft.plan(spec, "grad_weight").steps]
     assert names == ["pad", "phases", "transform", "product", "inverse", "crop", "taps"]
     assert fft.plan(spec, "grad_input").steps[-1].shape == spec.input_shape
+
+
+def test_fft_plan_is_cached_and_a_bad_gradient_still_raises() -> None:
+    """plan() runs 2-3 times a backward: a second call returns the very plan of the first (an equal spec built
+    afresh too); an unknown gradient raises every time (an lru_cache caches no exception)."""
+    spec = ConvSpec.from_shapes((2, 8, 28, 28), (8, 1, 31, 31), stride=2, padding=15, groups=8)
+    again = ConvSpec.from_shapes(spec.input_shape, spec.weight_shape, 2, 15, groups=8, memo=False)
+    assert again is not spec and fft.plan(spec, "grad_input") is fft.plan(again, "grad_input")
+    assert fft.plan(spec, "grad_input") is not fft.plan(spec, "grad_weight")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"fft.plan: gradient='grad_bias' must be one of"):
+            fft.plan(spec, "grad_bias")
 
 
 @pytest.mark.parametrize("case", [LARGE[5], LARGE[8], LARGE[10], LARGE[14]], ids=str)

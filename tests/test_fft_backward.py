@@ -6,13 +6,14 @@ pass and not the two single-gradient paths it falls back to (batch 0, a dense la
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import convgrad as cg
 from convgrad import tuning
 from convgrad.backends import auto, fft, get_backend
-from convgrad.backends.fft import plans as fft_plans
 from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec
 from convgrad.tuning import tuner
@@ -100,13 +101,12 @@ CHUNKED = [
 
 @pytest.mark.parametrize("case", CHUNKED, ids=lambda c: c.name)
 def test_fused_backward_in_several_chunks_of_groups_and_samples(case: Case, fused: list[int],
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                fft_plan_constants: Callable[..., None]) -> None:
     """A tiny budget: several chunks of groups, or of samples; each chunk's spectrum of grad_output feeds both
     gradients of that chunk, real and complex."""
-    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
     # grad_weight's own cap (twice native's scratch) must not cut its samples below grad_input's: with a budget of 1
     # it would (a depthwise budget holds the smaller side, 5 samples; the cap 4), and the plans would not share
-    monkeypatch.setattr(fft_plans, "WEIGHT_SCRATCH_RATIO", 2**40)
+    fft_plan_constants(CHUNK_MIN_REALS=1, WEIGHT_SCRATCH_RATIO=2**40)
     spec = case.spec()
     p = fft.plan(spec, "grad_input")
     assert p.chunks[0] < spec.groups or p.chunks[1] < spec.batch, p.chunks
@@ -118,9 +118,9 @@ def test_fused_backward_in_several_chunks_of_groups_and_samples(case: Case, fuse
 
 
 @pytest.mark.parametrize("case", ROW_CHUNKED[:3], ids=lambda c: c.name)
-def test_a_layer_sliced_by_kernel_rows_falls_back_to_the_two_single_paths(case: Case, fused: list[int],
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fft_plans, "CHUNK_MIN_REALS", 1)
+def test_a_layer_sliced_by_kernel_rows_falls_back_to_the_two_single_paths(
+        case: Case, fused: list[int], fft_plan_constants: Callable[..., None]) -> None:
+    fft_plan_constants(CHUNK_MIN_REALS=1)
     assert fft.plan(case.spec(), "grad_input").row_chunk < case.spec().y_channels // case.groups
     assert not _shares(case)
     _assert_equals_native(case, make_tensors(case))

@@ -35,6 +35,7 @@ from convgrad.backends import Backend, register
 from convgrad.backends.fft.cost import BOUND_UNITS, MIN_TAPS, estimate_flops, normwise_bound, worth_trying
 from convgrad.backends.fft.execute import execute, execute_backward, shares_spectra
 from convgrad.backends.fft.plans import FftPlan, FftStep, plan
+from convgrad.backends.planning import planned
 from convgrad.spec import ConvSpec
 
 __all__ = ["BOUND_UNITS", "MIN_TAPS", "FftBackend", "FftPlan", "FftStep", "estimate_flops", "execute",
@@ -69,12 +70,12 @@ class FftBackend(Backend):
 
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         # torch's complex convention: the gradient pairs grad_output with conj(weight) (a no-op for real dtypes)
-        return execute(plan(spec, "grad_input"), grad_output, weight.conj())
+        return execute(planned(plan, spec, "grad_input"), grad_output, weight.conj())
 
     def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         input = input.conj()  # torch's complex convention, as in input_grad
         x, y = (grad_output, input) if spec.transposed else (input, grad_output)
-        return execute(plan(spec, "grad_weight"), x, y)
+        return execute(planned(plan, spec, "grad_weight"), x, y)
 
     def backward(self, spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
                  weight: torch.Tensor | None, need_input: bool, need_weight: bool
@@ -83,11 +84,11 @@ class FftBackend(Backend):
         asked for and the plans share their chunks (``shares_spectra``: not a dense layer sliced by kernel rows);
         else each gradient alone."""
         if need_input and need_weight and input is not None and weight is not None:
-            pi, pw = plan(spec, "grad_input"), plan(spec, "grad_weight")
+            pi, pw = planned(plan, spec, "grad_input"), planned(plan, spec, "grad_weight")
             if shares_spectra(pi, pw):  # torch's complex convention: conj(weight) for gi, conj(input) for gw
                 return execute_backward(pi, pw, grad_output, input.conj(), weight.conj())
         return super().backward(spec, grad_output, input, weight, need_input, need_weight)
 
     def forward(self, spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The convolution itself (no bias): ``spec.output_shape``."""
-        return execute(plan(spec, "output"), input, weight)
+        return execute(planned(plan, spec, "output"), input, weight)

@@ -23,6 +23,7 @@ import torch
 from convgrad.backends.fft import transforms as tf
 from convgrad.backends.fft.cost import MIN_TAPS
 from convgrad.backends.fft.plans import CHUNK_MIN_REALS, plan
+from convgrad.backends.planning import planned
 from convgrad.spec import ConvSpec
 from convgrad.spec.chunks import chunk_ranges
 from convgrad.tensor_ops import sliced
@@ -34,7 +35,7 @@ Block = tuple[slice, slice, slice]  # samples, groups, y channels within each gr
 
 def _blocks(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[Block, torch.Tensor]]:
     """Each chunk's per-sample gradients (n', g', a', C_x/g, *k) with its (samples, groups, channels) slices."""
-    p = plan(spec, "grad_weight")
+    p = planned(plan, spec, "grad_weight")
     dims, sizes, nd = p.dims, p.sizes, spec.n
     a, b0, b = p.group_channels
     q = tuple(d.taps for d in dims)

@@ -8,6 +8,7 @@ are split into) and its steps: pad, phases, taps, transform, product, inverse, c
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows
@@ -107,6 +108,9 @@ class FftPlan:
         return head + [line for step in self.steps for line in step.code()]
 
 
+# pure (a frozen ConvSpec in, a frozen FftPlan out) and read 2-3 times a backward: cached, as fwdconv's plans are;
+# the backend calls it through ``planning.planned`` (uncached while torch.compile traces). A ValueError is not cached
+@lru_cache(maxsize=512)
 def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     """The plan of ``gradient`` (grad_input, grad_weight, or output: the convolution itself) for ``spec``.
 

@@ -21,8 +21,6 @@ convolution on the input padded here, with padding 0 (on the CPU, oneDNN's jit k
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from convgrad.backends import Backend, register
@@ -45,20 +43,13 @@ from convgrad.backends.fwdconv.steps import (
     ZeroInsert,
     pad_or_fold,
 )
+from convgrad.backends.planning import planned
 from convgrad.spec import ConvSpec
 
 __all__ = ["INPUT_METHODS", "WEIGHT_METHODS", "BatchFold", "Contraction", "Conv", "Flip", "FwdConvBackend", "MatMul",
            "Pad", "PhaseConvs", "Plan", "Step", "SwapBatchChannels", "SwapGroupChannels", "ZeroInsert", "execute",
            "pad_or_fold", "padded_forward", "plan_forward", "plan_input_grad", "plan_per_sample_weight_grad",
            "plan_weight_grad", "worth_padding"]
-
-
-def _planned(planner: Any, spec: ConvSpec, *method: str | None) -> Plan:
-    """``planner(spec, *method)`` through its lru_cache; while torch.compile traces, the uncached function: Dynamo
-    traces through the cache anyway, and warns about it ("Silent incorrectness is only a potential risk")."""
-    if torch.compiler.is_compiling():
-        return planner.__wrapped__(spec, *method)  # type: ignore[no-any-return]
-    return planner(spec, *method)  # type: ignore[no-any-return]
 
 
 @register
@@ -71,12 +62,12 @@ class FwdConvBackend(Backend):
 
     def input_grad(self, spec: ConvSpec, weight: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         # torch's complex convention: the gradient pairs grad_output with conj(weight) (a no-op for real dtypes)
-        return execute(_planned(plan_input_grad, spec), grad_output, weight.conj())
+        return execute(planned(plan_input_grad, spec), grad_output, weight.conj())
 
     def weight_grad(self, spec: ConvSpec, input: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
         input = input.conj()  # torch's complex convention, as in input_grad
         x, y = (grad_output, input) if spec.transposed else (input, grad_output)
-        return execute(_planned(plan_weight_grad, spec, im2col_weight_method(spec, grad_output)), x, y)
+        return execute(planned(plan_weight_grad, spec, im2col_weight_method(spec, grad_output)), x, y)
 
     @staticmethod
     def can_serve_forward(spec: ConvSpec, like: torch.Tensor) -> bool:
