@@ -7,7 +7,10 @@ the NumPy path can use it too. Its modules, each importing only those above it:
 * ``formulation``: the per-dim arithmetic of the backward's formulations (polyphase taps, sub-pixel, blocks,
   stride phases, the FFT's phases and the one asymmetric-pad split ``pad_split``);
 * ``chunks``: chunk sizing (equal chunks, the FFT's chunks) and the byte budgets;
-* ``geometry``: ``ConvSpec``, the forward geometry, the derived specs and the pads of the backward.
+* ``phase_geometry``: ``PhaseGeometry``, ConvSpec's polyphase, sub-pixel and space-to-depth properties (a mixin);
+* ``fft_sizing``: ``FftSizing``, ConvSpec's FFT sizing: phases, live-phase count, bins and chunks (a mixin);
+* ``geometry``: ``ConvSpec``, the forward geometry, the derived specs and the pads of the backward; it inherits
+  the two mixins.
 
 Geometry. Every convolution, forward or transposed, is described through the *forward geometry*: a big side
 ``x`` (extent ``i`` per dim) read by a kernel of extent ``k`` with stride ``s`` and dilation ``d`` after padding
