@@ -127,8 +127,8 @@ def execute(p: LayoutPlan, grad_output: torch.Tensor, input: torch.Tensor | None
     if input is None:  # grad_input alone: grad_output stands for the input's layout
         channels_last = channels_last or is_channels_last(grad_output)
     if need_weight and grad_output.dtype == torch.bfloat16 and p.spec.reads_only_padding:
-        # oneDNN's channels-last bfloat16 weight gradient (torch 2.13, CPU) leaves the taps that meet only padding
-        # uninitialised (up to 1e308 where the gradient is 0): native on contiguous operands, in torch's layout
+        # oneDNN's channels-last bfloat16 weight gradient leaves the taps that meet only padding uninitialised
+        # (native.HALF_DTYPES): native on contiguous operands, which sets them to 0, in torch's layout
         plain_ops = (None if t is None else t.contiguous() for t in (grad_output, input, weight))
         grads = get_backend("native").backward(p.spec, *plain_ops, need_input, need_weight)  # type: ignore[arg-type]
         restore = RestoreLayout(unit_dim=False)

@@ -15,8 +15,8 @@ from typing import NamedTuple
 from convgrad.spec.arguments import Pair
 
 __all__ = ["FftDim", "PadSplit", "PhaseTaps", "dilation_block", "fft_phase", "fft_size", "leftover_rows", "output_rows",
-           "pad_split", "pad_then_crop", "pad_to_rows", "padded_sizes", "phase_data_rows", "phase_taps", "rfft_bins",
-           "smooth_size", "stride_phase", "strided_crop", "subpixel_dim", "tap_reads_only_padding", "tap_rows",
+           "pad_split", "pad_then_crop", "pad_to_rows", "padded_sizes", "padding_only_taps", "phase_data_rows",
+           "phase_taps", "rfft_bins", "smooth_size", "stride_phase", "strided_crop", "subpixel_dim", "tap_rows",
            "transposed_output_rows"]
 
 
@@ -74,17 +74,32 @@ def leftover_rows(i: int, o: int, k: int, s: int, d: int, pads: Pair) -> int:
     return i + lo + hi - d * (k - 1) - 1 - (o - 1) * s
 
 
-def tap_reads_only_padding(i: int, o: int, k: int, s: int, d: int, p_lo: int) -> bool:
-    """Whether some tap t of one dim meets padding alone at every output m < o (it reads x row t*d - p_lo + m*s);
-    False when x or y is empty."""
+def padding_only_taps(i: int, o: int, k: int, s: int, d: int, p_lo: int) -> tuple[int, ...]:
+    """The taps t of one dim that meet padding alone at every output m < o (tap t reads x row t*d - p_lo + m*s):
+    their grad_weight is exactly 0. None when x or y is empty.
+
+    Args:
+        i: x's extent (unpadded); o: y's extent; k: the kernel's taps; s: stride; d: dilation; p_lo: the padding
+            before x (all ints, >= 0).
+
+    Returns:
+        The taps, ascending.
+
+    Examples:
+        >>> padding_only_taps(1, 1, 3, 1, 1, 1)   # one row of x, padded by 1: taps 0 and 2 read padding only
+        (0, 2)
+        >>> padding_only_taps(8, 4, 3, 2, 1, 1)
+        ()
+    """
     if i == 0 or o == 0:
-        return False
+        return ()
+    taps = []
     for t in range(k):
         first = t * d - p_lo  # the row tap t reads at output 0 (negative: padding)
         m = max(0, -(first // s))  # the first output at which it reads a row >= 0
         if m >= o or first + m * s >= i:
-            return True
-    return False
+            taps.append(t)
+    return tuple(taps)
 
 
 class PhaseTaps(NamedTuple):

@@ -270,11 +270,25 @@ class ConvSpec(PhaseGeometry, FftSizing):
                      for t, d, s, o in zip(tap, self.dilation, self.stride, self.y_size))
 
     @property
+    def padding_only_taps(self) -> tuple[tuple[int, ...], ...]:
+        """Per dim, the kernel taps that meet padding alone at every output position: their grad_weight is exactly 0
+        (``formulation.padding_only_taps``); none when x or y is empty.
+
+        Returns:
+            A tuple of ascending tap indices per spatial dim.
+
+        Examples:
+            >>> ConvSpec.from_shapes((1, 1, 1, 8), (1, 1, 3, 3), padding=1).padding_only_taps  # one row of x
+            ((0, 2), ())
+        """
+        return tuple(formulation.padding_only_taps(i, o, k, s, d, lo) for i, o, k, s, d, (lo, _) in zip(
+            self.x_size, self.y_size, self.kernel_size, self.stride, self.dilation, self.padding))
+
+    @property
     def reads_only_padding(self) -> bool:
         """Whether some kernel tap meets padding alone at every output position (in some dim): its grad_weight is
-        exactly 0 (``formulation.tap_reads_only_padding``); False when x or y is empty."""
-        return any(formulation.tap_reads_only_padding(i, o, k, s, d, lo) for i, o, k, s, d, (lo, _) in zip(
-            self.x_size, self.y_size, self.kernel_size, self.stride, self.dilation, self.padding))
+        exactly 0 (``padding_only_taps``); False when x or y is empty."""
+        return any(self.padding_only_taps)
 
     @property
     def positions(self) -> int:
