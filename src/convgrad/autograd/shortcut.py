@@ -12,6 +12,7 @@ from convgrad.autograd import function
 from convgrad.backends.auto import fixed as auto_fixed
 from convgrad.backends.auto import memo_state as auto_memo_state
 from convgrad.backends.auto import settled_native as auto_settled_native
+from convgrad.backends.native import HALF_DTYPES
 from convgrad.spec import ConvSpec
 
 __all__ = ["PARAMETER_TYPES", "CallMemo", "auto_state", "drop_weight_gradient", "memo_key", "native_throughout",
@@ -29,7 +30,9 @@ def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight:
     Through the Function stay: other backends; complex (aten has no complex kernels); per-side padding; layouts
     other than contiguous (native retries torch's "must be contiguous" refusals on copies); grad_weight skipped
     by ``no_weight_gradients`` in the forward's scope (a node hook honours a backward in the scope); torch.jit's
-    tracer (a trace records the Function, so that no_weight_gradients still acts on the traced graph).
+    tracer (a trace records the Function, so that no_weight_gradients still acts on the traced graph); a half
+    precision weight with taps that meet only padding (torch's kernel leaves their gradient uninitialised, native's
+    backward sets it to 0: ``native.HALF_DTYPES``).
     """
     if backend == "native":
         pass
@@ -37,6 +40,8 @@ def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight:
         return False
     if (function.weight_gradients_disabled or input.is_complex() or not spec.is_symmetric or not input.is_contiguous()
             or not weight.is_contiguous() or torch._C._is_tracing()):  # apply never asks it while Dynamo traces
+        return False
+    if weight.dtype in HALF_DTYPES and spec.reads_only_padding:
         return False
     if backend == "native" or auto_fixed():
         return True
