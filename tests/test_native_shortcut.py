@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import convgrad as cg
 from convgrad.autograd import calls
 from convgrad.backends import auto, get_backend
+from convgrad.backends.native import zero_padding_only_taps
 from convgrad.spec import ConvSpec
 from convgrad.tuning import store as auto_cache
 from helpers import graph_node_names, python_frames
@@ -464,10 +465,7 @@ def test_half_weight_gradient_of_taps_that_read_only_padding_skips_the_shortcut(
     cg.nn.Conv1d with backend="native"), so such calls go through the Function, whose native backend zeros them."""
     spec = ConvSpec.from_shapes(xs, ws, transposed=transposed, **kw)
     assert spec.reads_only_padding
-    mask = torch.zeros(spec.kernel_size, dtype=torch.bool)  # (*k)
-    for j, taps in enumerate(spec.padding_only_taps):
-        for t in taps:
-            mask.narrow(j, t, 1).fill_(True)
+    mask = zero_padding_only_taps(torch.ones(spec.weight_shape), spec) == 0  # the taps that meet padding only
     n = len(ws) - 2
     module = getattr(cg.nn, f"ConvTranspose{n}d" if transposed else f"Conv{n}d")(
         ws[1] * kw.get("groups", 1) if transposed else xs[1], ws[1] * kw.get("groups", 1) if transposed else ws[0],

@@ -208,12 +208,9 @@ def x_bins(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def w_bins(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x (n, g, B, F), y (n, g, A, F) -> (g, A, B, F): sum over n."""
     a, b = y.shape[2], x.shape[2]
-    if (a == 1 or b == 1) and x.shape[0] == 1:  # one sample (SincNet's chunks): no sum, which would copy
-        return (y[0] * x[0]).unsqueeze(2 if b == 1 else 1)  # (g, A or B, F) -> (g, A, B, F)
-    if b == 1:
-        return (y * x).sum(0).unsqueeze(2)  # (n, g, A, F) -> (g, A, 1, F)
-    if a == 1:
-        return (y * x).sum(0).unsqueeze(1)  # (n, g, B, F) -> (g, 1, B, F)
+    if a == 1 or b == 1:  # one sample (SincNet's chunks): no sum, which would copy
+        term = y[0] * x[0] if x.shape[0] == 1 else (y * x).sum(0)  # (g, A or B, F)
+        return term.unsqueeze(2 if b == 1 else 1)  # (g, A, B, F)
     if a * b <= SMALL_PRODUCT:
         return (y.unsqueeze(3) * x.unsqueeze(2)).sum(0)  # (n, g, A, B, F) -> (g, A, B, F)
     return torch.matmul(_bins_major(y.permute(1, 3, 2, 0)),
