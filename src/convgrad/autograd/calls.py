@@ -3,11 +3,12 @@ call and sends it through the native shortcut, the ExpandedWeights Function or t
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from convgrad.autograd import function
+from convgrad import scopes
 from convgrad.autograd.expanded import ExpandedConvFunction, unexpand
 from convgrad.autograd.function import SCRIPT_UNSUPPORTED, ConvCore, ConvFunction, shape_of
 from convgrad.autograd.shortcut import PARAMETER_TYPES, CallMemo, auto_state, memo_key, native_throughout, torch_conv
@@ -15,7 +16,11 @@ from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.backends.native import forward as native_forward
 from convgrad.checks import check_same_kind, check_tensor, check_untraced
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
+from convgrad.reach import ConvCall, dispatch
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
+
+# a function mode on the stack (convgrad.reach) gets every call first; one C call when there is none
+_function_modes = torch._C._len_torch_function_stack
 
 __all__ = ["apply", "conv", "conv1d", "conv2d", "conv3d", "conv_transpose", "conv_transpose1d", "conv_transpose2d",
            "conv_transpose3d"]
@@ -66,7 +71,35 @@ _NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM = (
 
 def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
-           backend: str, memo: CallMemo | None = None) -> torch.Tensor:
+           backend: str, memo: CallMemo | None = None, routed: bool = False) -> torch.Tensor:
+    """Validate one convolution call and run it: every public entry point and every convgrad module comes here.
+
+    In order: a function mode on the stack (``convgrad.reach``: a capture records the call) gets the call first;
+    ExpandedWeights are unwrapped; every operand is checked against the backend, cast under autocast, and the
+    spec is built from the shapes (sizes as traced values under torch.compile and torch.jit.trace). Then the call
+    takes one of four roads: under torch.compile of a torch.func transform, the forward itself (Dynamo
+    differentiates it); with an ExpandedWeight, the ExpandedWeights Function; where convgrad would run nothing but
+    torch's own convolution, that convolution with torch's autograd node (``autograd.shortcut``, memoised per
+    module in ``memo``); otherwise the main Function (``ConvCore`` while Dynamo traces).
+
+    Args:
+        fn: the name errors start with (``"conv2d"``, ``"Conv2d"``, ``"conv2d in StdConv2d.forward"``).
+        input, weight, bias: as ``conv`` / ``conv_transpose`` take them.
+        stride, padding, dilation, transposed, output_padding, groups: aten.convolution's arguments (padding may
+            be a string or per-side pairs).
+        backend: a registered backend's name.
+        memo: the calling module's memo of its last native call, or None.
+        routed: whether ``convgrad.reach.dispatch`` already handed this call on (so it is not handed on again).
+
+    Returns:
+        ``(N, C_out, *out)``, or ``(C_out, *out)`` for an unbatched input.
+
+    Raises:
+        ValueError, TypeError: as ``conv`` (the message starts with ``fn``).
+    """
+    if not routed and _function_modes():
+        call = ConvCall(fn, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        return dispatch(call, functools.partial(_handed_on, backend, memo))
     b = get_backend(backend, fn)
     if type(weight) in PARAMETER_TYPES and (bias is None or type(bias) in PARAMETER_TYPES):
         expanded = None  # neither is an ExpandedWeight (a subclass)
@@ -84,7 +117,7 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         check_untraced(fn, b, tensors, returns_gradients=False)
     compiling = torch.compiler.is_compiling()
     transformed = compiling and torch._C._are_functorch_transforms_active()
-    if transformed and function.weight_gradients_disabled:
+    if transformed and scopes.weight_gradients_disabled:
         raise ConvgradValueError(_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM.format(fn=fn))
     # torch.jit.trace gives sizes as tensors, Dynamo traces a tuple best: shape_of there, else the sizes as they are.
     # torch._C's query, not torch.jit.is_tracing (two Python frames): Dynamo, for which compiling is True, never
@@ -114,6 +147,12 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if spec.unbatched:
         return cls.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)
     return cls.apply(input, weight, bias, spec, backend)
+
+
+def _handed_on(backend: str, memo: CallMemo | None, call: ConvCall) -> torch.Tensor:
+    """``apply`` of a call that ``dispatch`` handed on (possibly with a capture's detached operands)."""
+    return apply(call.fn, call.input, call.weight, call.bias, call.stride, call.padding, call.dilation,
+                 call.transposed, call.output_padding, call.groups, backend, memo, routed=True)
 
 
 def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: IntOrTuple = 1,
