@@ -1301,3 +1301,13 @@ def test_half_precision_bias_norms_accumulate_wide(dtype: torch.dtype, monkeypat
             (conv(x) * 3.0).sum().backward()
         got = psg.norms()
         assert torch.isfinite(got).all() and ((got.double() - ref).abs() <= HALF_TOL[dtype] * ref).all(), got
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_a_tuned_depthwise_layer_with_a_1x1_output_clips_without_a_key_error(tuned: None, norms_only: bool) -> None:
+    """Regression (issue 38, F3): where storing is allowed, raced() drops "unfold" for "unfold+store", yet the
+    tuning took "unfold" as its reference and raised KeyError: 'unfold' in the backward (efficientnet_b0,
+    mobilenetv3, convnext_atto at 32x32: their depthwise convs reach a 1x1 output)."""
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Flatten(), nn.Linear(8, 2)).to(DT)
+    _check_against_the_loop(model, torch.randn(4, 8, 3, 3, dtype=DT), norms_only)
