@@ -56,6 +56,12 @@ _COMPILED = (
     "Opacus's hooks under compile); the model was left as it was")
 
 
+def _compiled() -> bool:
+    """Whether this forward runs under torch.compile: traced by Dynamo, or run by it eagerly after a graph break
+    (Dynamo's frame callback is then still set; a ``torch.compiler.disable``d region clears it)."""
+    return torch.compiler.is_compiling() or torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None
+
+
 @dataclass
 class _Frame:
     """One running forward of a module: its call, and what the capture found in it."""
@@ -275,7 +281,7 @@ class PerSampleGrads:
         if not self._stack:
             if not torch.is_grad_enabled():
                 return
-            if torch.compiler.is_compiling():
+            if _compiled():
                 raise ConvgradValueError(_COMPILED.format(name=self._names[module]))
             distributed.check_no_outer_sync()
             consts = [t for m in self._names for t in (*m.buffers(recurse=False),
