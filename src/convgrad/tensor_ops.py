@@ -153,7 +153,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     """grad_output (N, C_out, *spatial) summed to (C_out,), accumulating half precision in float32."""
     dims = [0, *range(2, grad_output.dim())]
-    acc = accumulation_dtype(grad_output.dtype)
-    if acc != grad_output.dtype:
-        return grad_output.sum(dims, dtype=acc).to(grad_output.dtype)
+    # accumulation_dtype's test inline: every backward calls this (test_a_functional_call_adds_few_python_frames)
+    if grad_output.dtype in (torch.float16, torch.bfloat16):
+        return grad_output.sum(dims, dtype=torch.float32).to(grad_output.dtype)
     return grad_output.sum(dims)
