@@ -71,6 +71,11 @@ _EXPORT_NOTE = (
     "not act on it (docs/backends.md, 'Under torch.compile, torch.export and TorchScript')")
 
 
+# torch.compiler.is_exporting is newer than the oldest torch this package allows (2.2); without it, export goes through
+# the Function as before
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
 @torch.compiler.assume_constant_result
 def _note_export(fn: str) -> bool:
     """Warn that an exported program keeps torch's convolution. Strict export (Dynamo) drops a ``warnings.warn`` it
@@ -110,7 +115,7 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                                 memo=not compiling)
     if bias is not None and (shape_of(bias) if sized else bias.shape) != (spec.out_channels,):
         raise ConvgradValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
-    exporting = compiling and torch.compiler.is_exporting()
+    exporting = compiling and _is_exporting()
     if exporting:
         _note_export(fn)
     if transformed or exporting:
