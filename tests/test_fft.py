@@ -361,6 +361,89 @@ def test_auto_runs_the_forward_through_fft_on_a_large_kernel_and_native_on_3x3(m
     assert calls == []
 
 
+def _causal_long_conv() -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """A Hyena-style causal long conv (depthwise, 1024 taps, padded on the left only) on an input with a spike of 1e6
+    at position 3 (issue 40, item 6)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 8, 1024, generator=g), torch.randn(8, 1, 1024, generator=g) / 32
+    x[:, :, 3] = 1e6
+    return x, w, dict(padding=((1023, 0),), groups=8)
+
+
+def test_fft_forward_of_a_causal_conv_moves_the_outputs_before_a_spike() -> None:
+    """What docs/numerics.md says of auto's forward: fft's error is normwise, so outputs 0-2 of a causal conv, which
+    never read position 3, move with a spike there (by far more than float32's rounding), where native's do not."""
+    x, w, kw = _causal_long_conv()
+    spec = ConvSpec.from_shapes(tuple(x.shape), tuple(w.shape), **kw)
+    exact = torch.nn.functional.conv1d(torch.nn.functional.pad(x.double(), (1023, 0)), w.double(), groups=8)
+    early = exact[..., :3]  # outputs 0-2: x[0:3] times the last taps only
+
+    def moved(y: torch.Tensor) -> float:
+        return float(((y[..., :3].double() - early).abs() / early.abs()).max())
+
+    assert moved(get_backend("fft").forward(spec, x, w)) > 1e-2  # type: ignore[attr-defined]
+    assert moved(cg.conv1d(x, w, **kw, backend="native")) < 1e-5
+
+
+def test_forward_mode_native_keeps_autos_forward_torchs_and_tunes_the_gradients(monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """auto.set_forward_mode("native") (CONVGRAD_AUTOTUNE_FORWARD=native): on the causal long conv, auto's forward is
+    torch's convolution bit for bit and fft's forward never runs, while the gradients are still tuned (fft among
+    the candidates). In the default mode fft's forward is raced there."""
+    x, w, kw = _causal_long_conv()
+    backend = get_backend("fft")
+    forwards: list[ConvSpec] = []
+    gradients: list[ConvSpec] = []
+    original = backend.forward  # type: ignore[attr-defined]
+    monkeypatch.setattr(backend, "forward", lambda spec, a, b: (forwards.append(spec), original(spec, a, b))[1])
+    for name in ("input_grad", "weight_grad", "backward"):  # which of them the race runs depends on its timings
+        method = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda spec, *a, m=method: (gradients.append(spec), m(spec, *a))[1])
+    want = torch.nn.functional.conv1d(torch.nn.functional.pad(x, (1023, 0)), w, groups=8)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with auto.tuning_mode("tune"):
+        auto.clear()
+        previous = auto.set_forward_mode("native")
+        try:
+            for _ in range(3):
+                y = cg.conv1d(xr, wr, **kw)
+                assert torch.equal(y, want)
+                torch.autograd.grad(y.square().sum(), (xr, wr))
+            spec = ConvSpec.from_shapes(tuple(x.shape), tuple(w.shape), **kw)
+            assert not forwards and gradients and auto.chosen(spec, "both", x) is not None
+            # an inference call (no gradient) takes torch's convolution with its own node (the native shortcut)
+            assert auto.settled_native(spec, x, w, False, False)
+        finally:
+            auto.set_forward_mode(previous)
+        auto.clear()
+        assert auto.get_forward_mode() == "tune" and not auto.settled_native(spec, x, w, False, False)
+        cg.conv1d(x, w, **kw)
+        assert forwards, "fft's forward is raced in the default mode"
+        auto.clear()
+
+
+def test_forward_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from convgrad.tuning import modes
+
+    monkeypatch.setattr(modes, "_forward_mode", None)
+    monkeypatch.setenv("CONVGRAD_AUTOTUNE_FORWARD", " Native ")
+    assert auto.get_forward_mode() == "native" and auto.forward_fixed()
+    monkeypatch.setattr(modes, "_forward_mode", None)
+    monkeypatch.delenv("CONVGRAD_AUTOTUNE_FORWARD")
+    with auto.tuning_mode("tune"):
+        assert auto.get_forward_mode() == "tune" and not auto.forward_fixed()
+    with auto.tuning_mode("fixed"):
+        assert auto.forward_fixed()  # the fixed mode runs native for everything
+    monkeypatch.setattr(modes, "_forward_mode", None)
+    monkeypatch.setenv("CONVGRAD_AUTOTUNE_FORWARD", "fft")
+    with pytest.raises(ValueError, match=r"CONVGRAD_AUTOTUNE_FORWARD='fft' must be one of \('tune', 'native'\)"):
+        auto.get_forward_mode()
+    with pytest.raises(ValueError, match=r"set_forward_mode: mode='exact' must be one of \('tune', 'native'\)"):
+        auto.set_forward_mode("exact")
+    monkeypatch.setattr(modes, "_forward_mode", None)
+    monkeypatch.delenv("CONVGRAD_AUTOTUNE_FORWARD")
+
+
 def test_auto_forward_with_no_candidate_asks_the_cost_models_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where no backend but native may serve the forward (here a strided 1d layer whose 250 taps fft's cost model
     judges, wav2letter's front end in small), auto remembers that: the candidates' cost models run on the first

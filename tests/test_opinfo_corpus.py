@@ -130,6 +130,26 @@ def test_opinfo_samples(name: str, backend: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_check_passes_torchs_own_kernel_on_every_sample_in_half_precision(name: str, dtype: torch.dtype) -> None:
+    """`convgrad check`'s bound (issue 40, item 4) on each sample's layer, rounded to float16 and bfloat16: torch's
+    own kernel (native) passes it in every one (tests/test_check.py sweeps random layers with large kernels)."""
+    from convgrad.cli.check import check_config
+
+    judged = 0
+    for k, s in enumerate(_samples(_op(name))):
+        weight = s.args[0]
+        kw = {key: v for key, v in s.kwargs.items() if key != "bias"}
+        _, results = check_config(tuple(s.input.shape), tuple(weight.shape), transposed="transpose" in name,
+                                  dtype=dtype, backends=["native"], seed=k, **kw)
+        failed = [r for r in results if r.failed]
+        assert not failed, (k, s.kwargs, failed)
+        judged += 1
+    assert judged >= 10
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ERROR_OP_NAMES)
 def test_opinfo_error_inputs_raise(name: str, backend: str) -> None:

@@ -84,6 +84,27 @@ def test_same_padding_rule(size: int, k: int, s: int, d: int) -> None:
         torch.testing.assert_close(ours, torch.nn.functional.conv1d(x, w, padding="same", dilation=d))
 
 
+def test_symbolic_sizes_stay_symbolic() -> None:
+    """Under torch.export a dynamic dim's size is a torch.SymInt: from_shapes refused it ("input.shape=(s31, 2, 12,
+    12) must contain only ints (got SymInt)", issue 40), and int() would fix it to the example's size. The spec now
+    computes with it, and guards nothing for a batch, a stride-1 'same' dim or a transposed conv's dims."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    batch, size = (env.create_symintnode(env.create_symbol(hint, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC),
+                                         hint=hint) for name, hint in (("batch", 3), ("size", 12)))
+    spec = ConvSpec.from_shapes((batch, 2, size, 9), (4, 2, 3, 4), stride=(1, 2), padding="same", memo=False)
+    assert spec.batch is batch and spec.input_size[0] is size
+    assert spec.padding == ((1, 1), (1, 2)) and spec.output_shape[1:] == (4, size, 5)
+    t = ConvSpec.from_shapes((batch, 4, size, 9), (4, 2, 3, 4), stride=2, padding=1, transposed=True,
+                             output_padding=1, memo=False)
+    assert (t.output_shape[0], t.output_shape[2]) == (batch, 2 * size) and t.output_shape[3] == 19
+    assert not env.guards
+    with pytest.raises(TypeError, match=r"input\.shape=\(3, 2, 12\.0, 9\) must contain only ints \(got float\)"):
+        ConvSpec.from_shapes((3, 2, 12.0, 9), (4, 2, 3, 4))
+
+
 def test_specs_are_hashable_and_compare_by_value() -> None:
     a = ConvSpec.from_shapes((2, 4, 9, 9), (6, 2, 3, 3), stride=2, groups=2, fn="a")
     b = ConvSpec.from_shapes([2, 4, 9, 9], [6, 2, 3, 3], stride=(2, 2), padding=((0, 0), (0, 0)), groups=2, fn="b")

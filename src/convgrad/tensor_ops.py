@@ -15,8 +15,9 @@ from convgrad.spec import pad_then_crop
 
 Pair = tuple[int, int]
 
-__all__ = ["CHANNELS_LAST", "CONV", "ONEDNN_DTYPES", "add_product_", "batched_like", "bias_grad", "channels_innermost",
-           "crop", "is_channels_last", "pad", "pad_flat", "placeholder", "plain", "sliced", "windows"]
+__all__ = ["CHANNELS_LAST", "CONV", "ONEDNN_DTYPES", "accumulation_dtype", "add_product_", "batched_like", "bias_grad",
+           "channels_innermost", "crop", "is_channels_last", "pad", "pad_flat", "placeholder", "plain", "sliced",
+           "windows"]
 
 CONV: dict[int, Callable[..., torch.Tensor]] = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 # The channels-last memory format of a 4d (NHWC) and a 5d (NDHWC) tensor; other ranks have none.
@@ -137,9 +138,22 @@ def placeholder(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     return like.new_zeros(()).expand(*shape)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of ``dtype`` terms runs in: float32 for float16 and bfloat16, as torch's own kernels
+    accumulate them (a sum rounded to half precision at every term loses a bit per few terms: docs/numerics.md,
+    "Half precision"), else ``dtype`` itself.
+
+    Examples:
+        >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     """grad_output (N, C_out, *spatial) summed to (C_out,), accumulating half precision in float32."""
     dims = [0, *range(2, grad_output.dim())]
+    # accumulation_dtype's test inline: every backward calls this (test_a_functional_call_adds_few_python_frames)
     if grad_output.dtype in (torch.float16, torch.bfloat16):
         return grad_output.sum(dims, dtype=torch.float32).to(grad_output.dtype)
     return grad_output.sum(dims)

@@ -4,6 +4,7 @@ call and sends it through the native shortcut, the ExpandedWeights Function or t
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -68,6 +69,25 @@ _NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM = (
     "torch.autograd.grad inside torch.compile honour it), or run the transform eagerly")
 
 
+# torch.export keeps an aten graph: what it records for a convgrad convolution is torch's own (issue 40, item 2)
+_EXPORT_NOTE = (
+    "{fn}: torch.export records torch's convolution (aten.convolution) for convgrad's convolutions, as for torch.nn: "
+    "the exported program runs without convgrad, its gradients are torch autograd's, and no_weight_gradients() does "
+    "not act on it (docs/backends.md, 'Under torch.compile, torch.export and TorchScript')")
+
+
+# torch.compiler.is_exporting is newer than the oldest torch this package allows (2.2); without it, export goes through
+# the Function as before
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+@torch.compiler.assume_constant_result
+def _note_export(fn: str) -> bool:
+    """Warn that an exported program keeps torch's convolution. Strict export (Dynamo) drops a ``warnings.warn`` it
+    traces; a function marked ``assume_constant_result`` it calls itself, at trace time, and records its result."""
+    warnings.warn(_EXPORT_NOTE.format(fn=fn), UserWarning, stacklevel=3)
+    return True
+
 
 def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
@@ -128,9 +148,14 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                                 memo=not compiling)
     if bias is not None and (shape_of(bias) if sized else bias.shape) != (spec.out_channels,):
         raise ConvgradValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
-    if transformed:
+    exporting = compiling and _is_exporting()
+    if exporting:
+        _note_export(fn)
+    if transformed or exporting:
         # Dynamo differentiates the forward of a transformed Function anyway (pytorch/pytorch#193279), and cannot
-        # vmap its wrapper (ApplyTemplate) where one conv feeds another: trace the forward itself
+        # vmap its wrapper (ApplyTemplate) where one conv feeds another: trace the forward itself. torch.export
+        # records torch's convolution, as for torch.nn: strict export traced the Function's forward under no_grad
+        # (the program's weights got no gradient), and neither mode could hold a spec of symbolic sizes
         if spec.unbatched:
             return native_forward(spec, input.unsqueeze(0), weight, bias).squeeze(0)  # (C_out, *o)
         return native_forward(spec, input, weight, bias)

@@ -45,6 +45,10 @@ Modes, set by ``set_mode`` or the ``CONVGRAD_AUTOTUNE`` environment variable (re
   timings, so results may differ between runs in the last bits of floating point.
 * ``"fixed"``: no timing; always ``FIXED_CHOICE`` ("native"), deterministic and bitwise PyTorch's.
 
+The forward mode, set by ``set_forward_mode`` or ``CONVGRAD_AUTOTUNE_FORWARD``: ``"tune"`` (default) races the
+forward as above; ``"native"`` keeps it torch's own convolution (fft's forward errs normwise: a causal conv's early
+outputs move with a later spike) while the gradients are tuned as the mode says.
+
 Persistence (off by default): ``CONVGRAD_AUTOTUNE_CACHE=1`` keeps the winners in the user cache
 directory, ``CONVGRAD_AUTOTUNE_CACHE=/some/file.json`` in that file (``convgrad.tuning``'s store).
 """
@@ -70,15 +74,19 @@ from convgrad.tuning import (  # auto's documented names, kept from before tunin
     cache_path,
     device_name,
     fixed,
+    forward_fixed,
+    get_forward_mode,
     get_mode,
+    set_forward_mode,
     set_mode,
     tuning_mode,
 )
 from convgrad.tuning import tune as _tune  # a module name, so that tests can count the tunings
 
 __all__ = ["FIXED_CHOICE", "PREFER_NATIVE", "SPLIT_MARGIN", "Choice", "batch_bucket", "cache_path", "candidates",
-           "changes", "chosen", "clear", "device_name", "dynamo_compiling", "fixed", "get_mode", "memo_state",
-           "set_mode", "settled_native", "tuning_mode"]
+           "changes", "chosen", "clear", "device_name", "dynamo_compiling", "fixed", "forward_fixed",
+           "get_forward_mode", "get_mode", "memo_state", "set_forward_mode", "set_mode", "settled_native",
+           "tuning_mode"]
 
 FIXED_CHOICE = "native"
 
@@ -271,6 +279,8 @@ def _settled_native(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, n
     for name in (gradient,) if need_input or need_weight else ():
         if not _native_settled(_choices.lookup((like[0], name, *like[2:])), input.device):
             return False
+    if forward_fixed():  # the forward mode "native": torch's convolution, whatever was tuned for the forward
+        return True
     choice = _choices.lookup((like[0], "forward", *like[2:]))
     if choice is not None:
         return not choice.pending and choice.backend == "native"
@@ -293,9 +303,9 @@ def forward(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, bias: tor
     """The convolution itself through the backend tuned for it (``convgrad.conv*``, the nn modules and ``patch``
     with backend="auto"): native, or a candidate with a ``forward`` (fft; fwdconv's, on the input padded beforehand)
     where its rule lets it in (``_forward_candidates``), tuned, cached and settled like a gradient, native kept
-    unless beaten by ``PREFER_NATIVE``. Native when tuning is off or the tensors cannot be timed (compiling, vmap,
-    forward AD, meta)."""
-    if torch.compiler.is_compiling() or get_mode() == "fixed" or not tuning.tunable(input, weight):
+    unless beaten by ``PREFER_NATIVE``. Native when tuning is off, the forward mode is "native"
+    (``set_forward_mode``), or the tensors cannot be timed (compiling, vmap, forward AD, meta)."""
+    if torch.compiler.is_compiling() or forward_fixed() or not tuning.tunable(input, weight):
         return native_forward(spec, input, weight, bias)
     key = _key(spec, "forward", input)
     known = _choices.lookup(key)

@@ -37,6 +37,12 @@ Two sizes bound a chunk's columns:
   the GEMM itself in measurements here; chunks of a few MiB reuse heap memory and
   stay in the L3 cache.
 
+Half precision. float16 and bfloat16 sum in float32 and round once, as native's kernels do: the fold adds the
+T taps into a float32 buffer, and the chunks' grad_weight (and a transposed conv's channel blocks' grad_input) add
+up in float32. Each tap's term had been added into a half-precision buffer, rounding the sum T times: bfloat16
+grad_input erred 3.4x native's on a 3x3 layer and 25x on a 31x31 depthwise one (issue 40, item 3;
+``tests/test_numerics.py`` bounds every backend at twice native's error).
+
 Every op is differentiable (pad, unfold, permute, bmm, slice-add), so second
 derivatives come from autograd.
 """
@@ -50,7 +56,7 @@ import torch
 from convgrad.backends import FusedBackend, Grads, register
 from convgrad.spec import ConvSpec
 from convgrad.spec.chunks import CHUNK_BYTES, equal_chunk
-from convgrad.tensor_ops import add_product_, batched_like, crop, pad, plain, sliced, windows
+from convgrad.tensor_ops import accumulation_dtype, add_product_, batched_like, crop, pad, plain, sliced, windows
 
 __all__ = ["CHUNK_TARGET_BYTES", "DEFAULT_MAX_WORKSPACE_BYTES", "GemmBackend", "chunking"]
 
@@ -106,7 +112,8 @@ def _columns(spec: ConvSpec, win: torch.Tensor, block: slice) -> torch.Tensor:
 
 
 def _fold_into(spec: ConvSpec, xr: torch.Tensor, cols: torch.Tensor, block: slice) -> None:
-    """col2im of one channel block: add cols (g, Cb*T, Nc*P) into xr[:, block], xr (g, C_x/g, Nc, *x_read)."""
+    """col2im of one channel block: add cols (g, Cb*T, Nc*P) into xr[:, block], xr (g, C_x/g, Nc, *x_read), which
+    may be of a wider dtype (``accumulation_dtype``)."""
     k, o = spec.kernel_size, spec.y_size
     dst = sliced(xr, [block], 1)  # (g, Cb, Nc, *x_read_size)
     cols = cols.view(*dst.shape[:2], *k, dst.shape[2], *o)  # (g, Cb, *k, Nc, *o)
@@ -117,7 +124,8 @@ def _fold_into(spec: ConvSpec, xr: torch.Tensor, cols: torch.Tensor, block: slic
 def _fold_outer(spec: ConvSpec, xr: torch.Tensor, wcols: torch.Tensor, ymat: torch.Tensor, block: slice) -> None:
     """col2im of an outer product, without its columns: with C_y/g = 1 (depthwise), grad_x's GEMM has inner size 1,
     w^T [g, Cb*T, 1] x y [g, 1, Nc*P]. Each tap adds w[tap] * y into its window of xr (g, C_x/g, Nc, *x_read) directly;
-    the columns would be written once and read once more (measurements: the module docstring)."""
+    the columns would be written once and read once more (measurements: the module docstring). xr may be of a
+    wider dtype (``accumulation_dtype``)."""
     k, o = spec.kernel_size, spec.y_size
     dst = sliced(xr, [block], 1)  # (g, Cb, Nc, *x_read_size)
     y = ymat.view(spec.groups, 1, dst.shape[2], *o)  # (g, 1, Nc, *o)
@@ -147,7 +155,10 @@ def _y_tensor(spec: ConvSpec, ymat: torch.Tensor, nc: int) -> torch.Tensor:
     return y.transpose(0, 1)  # (Nc, C_y, *o)
 
 
-def _add(acc: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+def _add(acc: torch.Tensor | None, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """acc + t in ``dtype`` (the accumulator's, ``accumulation_dtype``: a running half-precision sum rounds at each
+    term)."""
+    t = t.to(dtype)
     return t if acc is None else acc + t
 
 
@@ -192,6 +203,7 @@ class GemmBackend(FusedBackend):
         # several chunks write their part of grad_input into one tensor (a fresh big buffer per call is costly)
         gi = batched_like(like.new_empty(spec.input_shape), weight) if need_input and len(starts) > 1 else None
         gws: list[torch.Tensor | None] = [None] * len(blocks)
+        acc = accumulation_dtype(like.dtype)
         run = self._transposed_chunk if spec.transposed else self._chunk
         for start in starts:
             part = slice(start, start + samples)
@@ -201,12 +213,12 @@ class GemmBackend(FusedBackend):
                 gi = gi_part.contiguous()
             elif gi_part is not None:
                 gi[part] = gi_part
-            for j, gw_part in enumerate(gw_parts):
-                gws[j] = _add(gws[j], gw_part)
+            for j, gw_part in enumerate(gw_parts):  # the sample chunks' sum, in float32 for half precision
+                gws[j] = _add(gws[j], gw_part, acc if len(starts) > 1 else gw_part.dtype)
         if not need_weight:
             return gi, None
         gw = gws[0] if len(gws) == 1 else torch.cat(gws, dim=2)  # type: ignore[arg-type]  # (g, C_y/g, C_x/g*T)
-        return gi, gw.reshape(spec.weight_shape)  # type: ignore[union-attr]  # (C_y, C_x/g, *k)
+        return gi, gw.reshape(spec.weight_shape).to(like.dtype)  # type: ignore[union-attr]  # (C_y, C_x/g, *k)
 
     @staticmethod
     def _chunk(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None, wmat: torch.Tensor | None,
@@ -218,7 +230,9 @@ class GemmBackend(FusedBackend):
         xr_shape = (spec.groups, spec.x_group_channels, grad_output.shape[0], *spec.x_read_size)
         # a 1x1 kernel with stride 1 reads every position once: the fold is the identity
         identity = len(blocks) == 1 and spec.taps == 1 and spec.x_read_size == spec.y_size
-        xr = batched_like(grad_output.new_zeros(xr_shape), wmat) if need_input and not identity else None
+        # the fold's sum over taps, in float32 for half precision (rounded once, by _x_tensor's caller)
+        acc = accumulation_dtype(grad_output.dtype)
+        xr = batched_like(grad_output.new_zeros(xr_shape, dtype=acc), wmat) if need_input and not identity else None
         gws = []
         for block, wc in zip(blocks, wcols):
             if need_weight:
@@ -231,7 +245,7 @@ class GemmBackend(FusedBackend):
                     xr = dcols.view(xr_shape)  # (g, C_x/g, Nc, *x_read_size)
                 else:
                     _fold_into(spec, xr, dcols, block)  # type: ignore[arg-type]
-        return (None if xr is None else _x_tensor(spec, xr)), gws
+        return (None if xr is None else _x_tensor(spec, xr).to(grad_output.dtype)), gws
 
     @staticmethod
     def _transposed_chunk(spec: ConvSpec, grad_output: torch.Tensor, input: torch.Tensor | None,
@@ -241,10 +255,14 @@ class GemmBackend(FusedBackend):
         win = _windows(spec, grad_output)
         ymat = _y_matrix(spec, input) if need_weight else None  # type: ignore[arg-type]  # (g, A, Nc*P)
         gi, gws = None, []
+        # the channel blocks' sum of grad_y, in float32 for half precision
+        acc = accumulation_dtype(grad_output.dtype) if len(blocks) > 1 else grad_output.dtype
         for block, wc in zip(blocks, wcols):
             cols = _columns(spec, win, block)  # (g, Cb*T, Nc*P)
             if need_weight:
                 gws.append(torch.bmm(ymat, cols.transpose(1, 2)))  # type: ignore[arg-type]  # (g, A, Cb*T)
             if need_input:
-                gi = _add(gi, torch.bmm(wmat[:, :, wc], cols))  # type: ignore[index]  # (g, A, Nc*P)
-        return (None if gi is None else _y_tensor(spec, gi, grad_output.shape[0])), gws
+                gi = _add(gi, torch.bmm(wmat[:, :, wc], cols), acc)  # type: ignore[index]  # (g, A, Nc*P)
+        if gi is None:
+            return None, gws
+        return _y_tensor(spec, gi, grad_output.shape[0]).to(grad_output.dtype), gws

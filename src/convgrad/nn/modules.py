@@ -113,7 +113,7 @@ class ConvgradMixin:
         if self.padding_mode != "zeros":
             # the pads of 'same' depend on the input size, so they come from the spec at call time
             spec = ConvSpec.from_shapes(shape_of(input), shape_of(weight), self.stride, self.padding, self.dilation,
-                                        groups=self.groups, fn=name)
+                                        groups=self.groups, fn=name, memo=not _is_compiling())  # as apply's
             input = pad(input, spec.padding, mode=self.padding_mode)  # (N, C_in, *(i + p_lo + p_hi))
             padding = 0
         if memo is None:

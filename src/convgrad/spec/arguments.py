@@ -5,7 +5,6 @@ Every error names the function (``fn``), the parameter and its value. Integers o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,18 +17,27 @@ IntOrTuple = int | Sequence[int]
 
 __all__ = ["MAX_SPECS", "SPECS", "IntOrTuple", "Normalised", "PaddingArg", "Pair", "Shape", "check_bias_sizes",
            "check_channels", "check_extents", "check_output_mask", "check_output_padding", "exact", "is_int",
-           "memo_key", "normalise", "ntuple", "padding_pairs", "remember", "same_padding", "shape_tuple"]
+           "is_symbolic", "memo_key", "normalise", "ntuple", "padding_pairs", "remember", "same_padding", "shape_tuple"]
 
 
 def is_int(v: object) -> bool:
     return (isinstance(v, int) and not isinstance(v, bool)) or type(v).__name__ in {"int64", "int32"}
 
 
-def ntuple(fn: str, name: str, value: Any, n: int, minimum: int, *, broadcast: bool = False) -> tuple[int, ...]:
+def is_symbolic(v: object) -> bool:
+    """A symbolic size (``torch.SymInt``, by name: no torch here): a dynamic dim under torch.export. The spec
+    computes with it as with an int, each comparison a guard of the trace, and never calls ``int()`` on it, which
+    would fix the dim to the example's size (issue 40, item 2)."""
+    return type(v).__name__ == "SymInt"
+
+
+def ntuple(fn: str, name: str, value: Any, n: int, minimum: int, *, broadcast: bool = False,
+           symbolic: bool = False) -> tuple[int, ...]:
     """Normalise an int or an n-sequence of ints, checking each is >= minimum.
 
     ``broadcast``: a one-element sequence stands for every dim, as torch's convolutions read stride, padding,
     dilation and output_padding (``stride=(2,)`` of a 2d conv is ``(2, 2)``); shapes never broadcast.
+    ``symbolic``: symbolic sizes (``is_symbolic``) pass as they are: a tensor's shape under torch.export.
     """
     if is_int(value):
         values: tuple[Any, ...] = (int(value),) * n
@@ -43,18 +51,21 @@ def ntuple(fn: str, name: str, value: Any, n: int, minimum: int, *, broadcast: b
                                      f"(got {len(values)})")
     else:
         raise ConvgradTypeError(f"{fn}: {name}={value!r} must be an int or a tuple of {n} ints")
-    for v in values:
-        if not is_int(v):
+    kept = tuple(symbolic and is_symbolic(v) for v in values)
+    for v, keep in zip(values, kept):
+        if not (keep or is_int(v)):
             raise ConvgradTypeError(f"{fn}: {name}={value!r} must contain only ints (got {type(v).__name__})")
-        if int(v) < minimum:
+        if (v if keep else int(v)) < minimum:
             rule = "positive" if minimum == 1 else f">= {minimum}"
             raise ConvgradValueError(f"{fn}: {name}={value!r} must be {rule}")
-    return tuple(int(v) for v in values)
+    return tuple(v if keep else int(v) for v, keep in zip(values, kept))
 
 
 def same_padding(size: int, kernel: int, stride: int, dilation: int) -> Pair:
     """'same' padding of one dim: total t = max((ceil(i/s)-1)s + d(k-1) + 1 - i, 0), extra on the high side."""
-    total = max((math.ceil(size / stride) - 1) * stride + dilation * (kernel - 1) + 1 - size, 0)
+    # ceil(i/s) as -(-i // s): integers throughout, so a symbolic size (is_symbolic) stays one (it has no true
+    # division); for stride 1, t is d(k-1) whatever the size
+    total = max((-(-size // stride) - 1) * stride + dilation * (kernel - 1) + 1 - size, 0)
     return total // 2, total - total // 2
 
 
@@ -125,7 +136,7 @@ def remember(key: tuple[Any, ...], spec: Any) -> None:
 def shape_tuple(fn: str, name: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, Sequence) or isinstance(shape, str):
         raise ConvgradTypeError(f"{fn}: {name}={shape!r} must be a sequence of ints")
-    return ntuple(fn, name, tuple(shape), len(shape), 0)
+    return ntuple(fn, name, tuple(shape), len(shape), 0, symbolic=True)
 
 
 def check_channels(fn: str, in_ch: int, out_ch: int, weight_shape: tuple[int, ...], groups: int,

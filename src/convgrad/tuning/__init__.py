@@ -4,7 +4,8 @@
   options, each a callable ``run(n)`` on the first ``n`` samples; ``settle``: its last steps, the comparison on
   the calls that follow (``Exploration``) and the pick;
 * ``store``: the choices in memory and in the cache file (``CONVGRAD_AUTOTUNE_CACHE``), watched for drift;
-* ``modes``: "tune" or "fixed" (``CONVGRAD_AUTOTUNE``), batch buckets, which tensors can be timed.
+* ``modes``: "tune" or "fixed" (``CONVGRAD_AUTOTUNE``), auto's forward "tune" or "native"
+  (``CONVGRAD_AUTOTUNE_FORWARD``), batch buckets, which tensors can be timed.
 
 Its users, "auto" (``convgrad.backends.auto``, which backend computes a gradient) and the per-sample methods
 (``convgrad.per_sample.tuning``), bring their options and keys and use the public names below; this package
@@ -14,11 +15,15 @@ knows nothing of backends or methods (it sits below both).
 from __future__ import annotations
 
 from convgrad.tuning.modes import (
+    FORWARD_MODES,
     MODES,
     batch_bucket,
     bucketed,
     fixed,
+    forward_fixed,
+    get_forward_mode,
     get_mode,
+    set_forward_mode,
     set_mode,
     threads,
     tunable,
@@ -39,6 +44,7 @@ from convgrad.tuning.tuner import (
 )
 
 __all__ = [
+    "FORWARD_MODES",
     "MODES",
     "PREFER_NATIVE",
     "SCREEN_DROP",
@@ -54,9 +60,12 @@ __all__ = [
     "decide",
     "device_name",
     "fixed",
+    "forward_fixed",
+    "get_forward_mode",
     "get_mode",
     "screen",
     "screen_batch",
+    "set_forward_mode",
     "set_mode",
     "threads",
     "tunable",

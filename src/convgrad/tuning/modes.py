@@ -2,7 +2,9 @@
 
 "auto" (``convgrad.backends.auto``) and the per-sample methods (``convgrad.per_sample.tuning``) read the same
 mode, bucket batches the same way and refuse to time the same tensors, so that one switch
-(``CONVGRAD_AUTOTUNE=fixed``) makes both deterministic.
+(``CONVGRAD_AUTOTUNE=fixed``) makes both deterministic. A second switch, the forward mode
+(``CONVGRAD_AUTOTUNE_FORWARD=native``), keeps auto's forward torch's own convolution while the gradients are still
+tuned.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from convgrad.tensor_ops import plain
 if TYPE_CHECKING:  # a spec is only passed through: tuning sits beside spec, not above it
     from convgrad.spec import ConvSpec
 
-__all__ = ["MODES", "batch_bucket", "bucketed", "bump", "fixed", "generation", "get_mode", "set_mode", "threads",
-           "tunable", "tuning_mode"]
+__all__ = ["FORWARD_MODES", "MODES", "batch_bucket", "bucketed", "bump", "fixed", "forward_fixed", "generation",
+           "get_forward_mode", "get_mode", "set_forward_mode", "set_mode", "threads", "tunable", "tuning_mode"]
 
 MODES = ("tune", "fixed")
+FORWARD_MODES = ("tune", "native")
 _mode: str | None = None  # None: not read from the environment yet
+_forward_mode: str | None = None  # None: not read from CONVGRAD_AUTOTUNE_FORWARD yet
 # bumped by every setting of the mode and every change of a measured choice (``bump``): a per-call memo of what
 # they decide keys on this one int (read as ``modes.generation``) instead of calling in for the mode and the choices
 generation = 0
@@ -80,6 +84,62 @@ def get_mode() -> str:
 def fixed() -> bool:
     """Whether the mode is "fixed" (every call of every layer asks: one global read once the mode is known)."""
     return _mode == "fixed" or (_mode is None and get_mode() == "fixed")
+
+
+def set_forward_mode(mode: str) -> str:
+    """Choose what "auto" runs for the convolution itself, the gradients staying tuned (``set_mode``).
+
+    ``"tune"`` (default) races the backends that have a forward of their own against torch's: fft's (the
+    convolution theorem) on large kernels, fwdconv's on an input padded beforehand. fft's error is normwise: a
+    large input value's rounding error spreads over every output, so a causal conv's early outputs move with a
+    later spike (docs/numerics.md, "The forward of auto"). ``"native"`` always runs torch's own convolution, whose
+    every output is the sum of its own window's products (a causal conv's output never sees a later input), while
+    the backward still runs through the fastest backend. ``CONVGRAD_AUTOTUNE_FORWARD`` sets it at the first use;
+    in the "fixed" mode the forward is native anyway.
+
+    Args:
+        mode: ``"tune"`` or ``"native"``.
+
+    Returns:
+        The previous forward mode.
+
+    Raises:
+        ValueError: an unknown mode.
+
+    Source: docs/backends.md, "Keep the forward exact".
+
+    Examples:
+        >>> from convgrad.backends import auto
+        >>> previous = auto.set_forward_mode("native")
+        >>> auto.get_forward_mode()
+        'native'
+        >>> _ = auto.set_forward_mode(previous)
+    """
+    global _forward_mode
+    if mode not in FORWARD_MODES:
+        raise ConvgradValueError(f"set_forward_mode: mode={mode!r} must be one of {FORWARD_MODES}")
+    previous, _forward_mode = get_forward_mode(), mode
+    bump()  # a memo of auto's choices (the native shortcut's) reads the forward's
+    return previous
+
+
+def get_forward_mode() -> str:
+    """The current forward mode (``set_forward_mode``); on first use read from ``CONVGRAD_AUTOTUNE_FORWARD``
+    (default ``"tune"``)."""
+    global _forward_mode
+    if _forward_mode is None:
+        env = os.environ.get("CONVGRAD_AUTOTUNE_FORWARD", "tune").strip().lower() or "tune"
+        if env not in FORWARD_MODES:
+            raise ConvgradValueError(f"convgrad: CONVGRAD_AUTOTUNE_FORWARD={env!r} must be one of {FORWARD_MODES}")
+        _forward_mode = env
+        bump()
+    return _forward_mode
+
+
+def forward_fixed() -> bool:
+    """Whether auto's forward is torch's own convolution whatever tuning says: the forward mode "native", or the
+    mode "fixed"."""
+    return (_forward_mode == "native" or (_forward_mode is None and get_forward_mode() == "native")) or fixed()
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from convgrad.cli.check.judge import (
                                       check_gradients,
                                       compare,
                                       error_bound,
+                                      half_precision_sums,
                                       reference_grads,
                                       unit_roundoff,
 )
@@ -30,4 +31,4 @@ from convgrad.cli.check.model import LayerCheck, check_model, example_model, loa
 
 __all__ = ["BOUND_UNITS", "DTYPES", "GRADIENTS", "LayerCheck", "Result", "add_arguments", "check_config",
            "check_gradients", "check_model", "check_random", "compare", "error_bound", "example_model",
-           "load_factory", "random_config", "reference_grads", "run", "unit_roundoff"]
+           "half_precision_sums", "load_factory", "random_config", "reference_grads", "run", "unit_roundoff"]

@@ -4,15 +4,23 @@ A backend that computes in dtype ``d`` receives the tensors rounded to ``d``. Th
 float64 (complex128) on exactly those rounded values, so the difference is the backend's own rounding and nothing
 else. Each gradient entry is a sum of products; its error is bounded element-wise by::
 
-    |ours - ref| <= u |ref|  +  C (u + sqrt(n) u_acc) |G|  +  C u tiny
+    |ours - ref| <= u |ref|  +  C (u + sqrt(m) u + sqrt(n) u_acc) |G|  +  C u tiny
 
 - ``u``: the unit roundoff of ``d`` (eps / 2); ``u |ref|`` is the last rounding of the result.
 - ``|G|``: the same gradient computed on absolute values in float64 (|grad_output| with |weight| for
   grad_input, with |input| for grad_weight, summed for grad_bias): the sum of the magnitudes of the products.
 - ``n``: the number of those products (the same gradient of all-ones tensors). ``u_acc``: the unit roundoff of
-  the accumulator: float32 for float16, bfloat16 and float32, float64 for float64. Kernels accumulate half
-  precision in float32, so for them this term is small and the bound is a few ``u``; in float32 and float64 it
-  is the probabilistic bound of a sum in working precision.
+  the accumulator: float32 for float16, bfloat16 and float32, float64 for float64. Where the kernels accumulate
+  half precision in float32 this term is small and the bound is a few ``u``; in float32 and float64 it is the
+  probabilistic bound of a sum in working precision.
+- ``m``: the terms that torch's own kernel adds in ``d`` itself (``half_precision_sums``), 0 elsewhere. On the
+  CPU, float16 (and bfloat16 where oneDNN does not run it) goes to torch's reference kernels (slow_conv2d,
+  slow_conv3d, slow_conv_dilated, slow_conv_transpose: im2col + GEMM), whose GEMMs sum in float32 but whose
+  col2im adds each kernel tap's column into a forward conv's grad_input in ``d`` (``m``: the taps that reach the
+  entry, its products over C_out/g), and whose weight gradient adds each sample's GEMM into the result in ``d``
+  (``m = N``). A 31x31 float16 layer's grad_input erred 27 times a float32 sum rounded once, past the bound that
+  took float32 accumulation for granted (issue 40, item 4). The bound covers torch's kernel; a backend that sums
+  in float32 is judged by the same bound, and the report's ``err / native`` column shows it doing better.
 - ``C = BOUND_UNITS``: a few roundings of partial sums to ``d`` (split reductions, several steps).
 - ``tiny``: the smallest normal number of ``d``; below it rounding errors are absolute (subnormals).
 
@@ -39,7 +47,7 @@ from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad_flat
 
 __all__ = ["BOUND_UNITS", "DTYPES", "GRADIENTS", "Result", "check_gradients", "compare", "error_bound",
-           "reference_grads", "unit_roundoff"]
+           "half_precision_sums", "reference_grads", "unit_roundoff"]
 
 BOUND_UNITS = 4.0
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
@@ -75,6 +83,26 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+def half_precision_sums(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether torch's own convolution kernels add some of their terms in ``dtype`` itself on ``device`` (the
+    module docstring's ``m``): on the CPU, float16 and bfloat16 unless oneDNN runs that dtype there (bfloat16 on
+    CPUs with AVX-512, float16 on those with AVX-512 FP16 or AMX, and only while ``torch.backends.mkldnn`` is
+    enabled). CUDA's kernels accumulate half precision in float32.
+
+    Examples:
+        >>> half_precision_sums(torch.float32, torch.device("cpu")), half_precision_sums(torch.float16, "cuda")
+        (False, False)
+    """
+    if torch.device(device).type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    mkldnn = torch.backends.mkldnn
+    if not (mkldnn.is_available() and mkldnn.enabled):
+        return True
+    supported = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
+                 else torch.ops.mkldnn._is_mkldnn_fp16_supported)
+    return not supported()
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.complex128 if dtype.is_complex else torch.float64
 
@@ -94,7 +122,8 @@ def reference_grads(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, g
 
 
 def error_bound(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor,
-                dtype: torch.dtype, reference: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                dtype: torch.dtype, reference: dict[str, torch.Tensor] | None = None,
+                half_sums: bool | None = None) -> dict[str, torch.Tensor]:
     """The element-wise bound on ``|ours - reference|`` for a backend that computes in ``dtype`` (module docstring).
 
     Args:
@@ -103,6 +132,8 @@ def error_bound(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, grad_
             (complex128), shapes ``spec.input_shape``, ``spec.weight_shape``, ``spec.output_shape``.
         dtype: the dtype the backend computes in.
         reference: ``reference_grads`` of the same tensors, when already computed (default: computed here).
+        half_sums: whether torch's kernels add some terms in ``dtype`` (the docstring's ``m``); default
+            ``half_precision_sums(dtype, input.device)``.
 
     Returns:
         ``{"grad_input": (N, C_in, *spatial), "grad_weight": weight's shape, "grad_bias": (C_out,)}``, float64.
@@ -111,13 +142,21 @@ def error_bound(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, grad_
 
     Examples:
         Each grad_weight entry of this 1d conv sums 3 products of ones: ``u 3 + 4 (u + sqrt(3) u_acc) 3``,
-        about ``15 u`` in bfloat16, whose accumulator (float32) is far more precise:
+        about ``15 u`` in bfloat16, whose accumulator (float32) is far more precise; each grad_input entry of a
+        31-tap conv sums up to 31 in torch's float16 col2im: ``4 sqrt(31) u`` more per unit of ``|G|``:
 
         >>> spec = ConvSpec.from_shapes((1, 1, 4), (1, 1, 2))
         >>> ones = [torch.ones(s, dtype=torch.float64) for s in (spec.input_shape, spec.weight_shape,
         ...                                                       spec.output_shape)]
-        >>> (error_bound(spec, *ones, torch.bfloat16)["grad_weight"] / unit_roundoff(torch.bfloat16)).round()
+        >>> (error_bound(spec, *ones, torch.bfloat16, half_sums=False)["grad_weight"]
+        ...  / unit_roundoff(torch.bfloat16)).round()
         tensor([[[15., 15.]]], dtype=torch.float64)
+        >>> spec = ConvSpec.from_shapes((1, 1, 31), (1, 1, 31), padding=15)
+        >>> ones = [torch.ones(s, dtype=torch.float64) for s in (spec.input_shape, spec.weight_shape,
+        ...                                                       spec.output_shape)]
+        >>> bounds = [error_bound(spec, *ones, torch.float16, half_sums=h)["grad_input"][0, 0, 15] for h in (0, 1)]
+        >>> [round(float(b / (unit_roundoff(torch.float16) * 31))) for b in bounds]   # in units of u |G|
+        [5, 27]
     """
     ref = reference if reference is not None else reference_grads(spec, input, weight, grad_output)
     absolute = reference_grads(spec, input.abs(), weight.abs(), grad_output.abs())
@@ -126,8 +165,15 @@ def error_bound(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, grad_
     u = unit_roundoff(dtype)
     u_acc = unit_roundoff(torch.float64 if _wide(dtype) == dtype else torch.float32)
     tiny = torch.finfo(dtype).tiny
-    return {name: u * ref[name].abs() + BOUND_UNITS * ((u + terms[name].sqrt() * u_acc) * absolute[name] + u * tiny)
-            for name in GRADIENTS}
+    half = half_precision_sums(dtype, input.device) if half_sums is None else half_sums
+    # m: the terms torch's kernel adds in dtype (module docstring): a forward conv's col2im adds one column per tap
+    # that reaches a grad_input entry (its products over the C_out/g channels of its group); every weight gradient
+    # adds one GEMM per sample
+    in_dtype = {"grad_input": 0.0 if spec.transposed else terms["grad_input"] / spec.y_group_channels,
+                "grad_weight": float(spec.batch), "grad_bias": 0.0} if half else dict.fromkeys(GRADIENTS, 0.0)
+    return {name: u * ref[name].abs() + BOUND_UNITS * (
+        (u + (in_dtype[name] ** 0.5) * u + terms[name].sqrt() * u_acc) * absolute[name] + u * tiny)
+        for name in GRADIENTS}
 
 
 def compare(backend: str, gradient: str, ours: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> Result:
@@ -213,7 +259,8 @@ def check_gradients(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, g
     ref_device = torch.device("cpu") if rounded[0].device.type == "mps" else rounded[0].device
     wide = tuple(t.to(device=ref_device, dtype=_wide(dtype)) for t in rounded)
     ref = reference_grads(spec, *wide)
-    bound = error_bound(spec, *wide, dtype, reference=ref)
+    bound = error_bound(spec, *wide, dtype, reference=ref,
+                        half_sums=half_precision_sums(dtype, rounded[0].device))  # the kernels' device
     largest = {name: _largest(t) for name, t in ref.items()}
     judged = {}
     for name in dict.fromkeys([*backends, "native"]):
