@@ -92,6 +92,12 @@ class ConvCall:
         return func(self.input, self.weight, self.bias, self.stride, self.padding, self.dilation,  # type: ignore
                     self.groups)
 
+    @property
+    def function(self) -> str:
+        """The torch function's name (``conv2d``, ``conv_transpose1d``), whatever ``fn`` says for messages."""
+        n = self.weight.dim() - 2
+        return f"conv_transpose{n}d" if self.transposed else f"conv{n}d"
+
     def with_operands(self, weight: torch.Tensor, bias: torch.Tensor | None) -> ConvCall:
         """The same call with other weight and bias tensors (a capture's detached operands)."""
         return replace(self, weight=weight, bias=bias)

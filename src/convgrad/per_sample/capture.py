@@ -226,7 +226,7 @@ class Capture(ReachMode):
                                         call.transposed, call.output_padding, call.groups, fn=call.fn)
             return ConvLayer(spec, x, gy, scale, call.weight.shape, shapes)
 
-        return self.owner.tap(call.fn, make, x, out, operands)
+        return self.owner.tap(call.function, make, x, out, operands)
 
     def _conv_generic(self, call: ConvCall, forward: Callable[[ConvCall], torch.Tensor]) -> torch.Tensor:
         """A conv no trainable parameter reaches as its weight or bias: plain, a transform (a parameter as its

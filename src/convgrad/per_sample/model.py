@@ -342,8 +342,8 @@ class PerSampleGrads:
             how = name if self._identity(op) else f"{name} through a transform (its {k} computed from it)"
             for pid in op.sources:
                 self._how.setdefault(pid, set()).add(how)
-        callback = functools.partial(self._layer_backward, where, self._calls, frames, make, operands,
-                                     is_conv and no_weight)
+        callback = functools.partial(self._layer_backward, where, self._calls, frames, make, operands, is_conv,
+                                     no_weight)
         with hidden():
             return Tap.apply(callback, 1, out, x.detach(), *(op.tensor for op in operands.values()))  # type: ignore[no-any-return]
 
@@ -352,19 +352,20 @@ class PerSampleGrads:
         return len(op.sources) == 1 and op.tensor is self._params.get(next(iter(op.sources)))
 
     def _layer_backward(self, where: str, call: int, frames: tuple[_Frame, ...], make: Any,
-                        operands: dict[str, Operand], no_weight: bool, saved: tuple[torch.Tensor, ...],
-                        grad_output: torch.Tensor) -> None:
+                        operands: dict[str, Operand], is_conv: bool, no_weight: bool,
+                        saved: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
         """One captured layer's part of the backward; its scratch buffers go after (``methods.one_layer``)."""
         self._guard.check_call(where, call)
         excluded = frozenset().union(*(f.rerun for f in frames))
-        if no_weight or scopes.weight_gradients_disabled:  # no_weight_gradients around the forward or backward
+        if is_conv and (no_weight or scopes.weight_gradients_disabled):  # the scope around forward or backward
             operands = {k: op for k, op in operands.items() if k != "weight"}
         operands = {k: op for k, op in operands.items() if op.sources - excluded}
         if not operands:
             return
         (x,) = saved
         gy = grad_output.detach()
-        x = x if x.dtype == gy.dtype else x.to(gy.dtype)  # autocast: the input's own dtype
+        if x.is_floating_point() and x.dtype != gy.dtype:  # autocast: the input's own dtype (not an index)
+            x = x.to(gy.dtype)
         scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
         with one_layer():
             layer = make(x, gy, scale, {k: op.tensor.shape for k, op in operands.items()})
