@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convgrad.backends import fft, fwdconv
+from convgrad.checks import check_size
 from convgrad.errors import ConvgradValueError
 from convgrad.explain import fft_view
 from convgrad.explain.kernel_choice import NativeChoice, native_backend
@@ -391,6 +392,8 @@ def explain(
         >>> cg.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2, method="zero_insert").steps("grad_input")[0].kind
         'ZeroInsert'
     """
+    input_size, weight_size = check_size("explain", "input_size", input_size), check_size("explain", "weight_size",
+                                                                                            weight_size)
     spec = ConvSpec.from_shapes(input_size, weight_size, stride, padding, dilation, transposed, output_padding,
                                 groups, fn="explain")
     input_method, weight_method = resolve_methods(method, input_method, weight_method)
