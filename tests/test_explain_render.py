@@ -332,3 +332,19 @@ def test_the_subtitle_reads_each_steps_label_not_its_describe_wording(monkeypatc
         monkeypatch.setattr(kind, "describe", lambda self: "reworded (stride-1 zeros, negative = crop)")
     assert legend.data_steps(recipe.scene("grad_input")) == before
     assert "reworded" in str(recipe)  # the text view does read describe()
+
+
+@pytest.mark.parametrize(("write", "fn", "suffix"), [
+    (lambda r, p: r.plot(p), "Recipe.plot", ".png"),
+    (lambda r, p: r.plot(p, gradients=("grad_weight",)), "Recipe.plot", ".svg"),
+    (lambda r, p: r.to_html(p, max_frames=3), "Recipe.to_html", ".html"),
+    (lambda r, p: r.animate(p, max_frames=3), "Recipe.animate", ".gif"),
+], ids=["plot", "plot-one-gradient", "to_html", "animate"])
+def test_every_picture_into_a_missing_folder_says_so_the_same_way(write: Any, fn: str, suffix: str,
+                                                                 tmp_path: Path) -> None:
+    """Before: ``Recipe.plot('/missing/x.png')`` raised PIL's raw FileNotFoundError after drawing, where to_html and
+    animate said which folder is missing."""
+    path = tmp_path / "missing" / f"x{suffix}"
+    with pytest.raises(ValueError) as info:
+        write(_recipe("1d-dilated"), path)
+    assert str(info.value) == f"{fn}: path={str(path)!r}: the directory {str(path.parent)!r} does not exist"

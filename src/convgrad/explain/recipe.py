@@ -253,7 +253,7 @@ class Recipe:
             The matplotlib Figure (Agg canvas, no display needed), 800 px wide.
 
         Raises:
-            ValueError: an empty or unknown selection of gradients.
+            ValueError: an empty or unknown selection of gradients; a ``path`` in a folder that does not exist.
 
         Examples:
             >>> import convgrad as cg
@@ -261,6 +261,10 @@ class Recipe:
             >>> round(fig.get_size_inches()[0] * fig.dpi)  # pixels wide
             800
         """
+        if path is not None:
+            from convgrad.explain.raster import check_path
+
+            check_path(Path(path), "Recipe.plot")  # as animate and to_html: one line, not PIL's FileNotFoundError
         if any(g in self._fft() for g in gradients):
             return fft_view.plot(self.spec, self.plans, tuple(gradients), path)
         from convgrad.explain.picture import plot
