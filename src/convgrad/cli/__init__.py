@@ -117,7 +117,29 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a bad argument reported as every other user error: one line on stderr, exit 2 (argparse
     would print the whole usage first; ``--help`` still shows it). The commands' parsers are of this class too."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.argv: list[str] = []  # what was typed, for error()
+        self.commands: dict[str, argparse.ArgumentParser] = {}  # the top level's: each command's parser
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # reported by the command's parser, whose --help lists what it takes
+            self.commands.get(getattr(parsed, "command", None) or "", self).error(
+                f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def parse_known_args(  # type: ignore[override]
+            self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
+        unknown = [a for a in self.argv if a.startswith("-") and a.split("=")[0] not in self._option_string_actions]
+        if message.startswith("the following arguments are required: COMMAND") and unknown:
+            # argparse names the missing command, not the option it could not place: `convgrad --nonsense`
+            message = (f"unrecognized argument{'s' if len(unknown) > 1 else ''} {' '.join(unknown)}; a command "
+                       f"comes first: {', '.join(COMMANDS)}")
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
@@ -137,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    parser.commands = dict(sub.choices)
     return parser
 
 
