@@ -101,16 +101,28 @@ def read_as(input_size: Sequence[int], weight_size: Sequence[int], option: str =
 
 
 @contextlib.contextmanager
-def shapes_as_typed(input_size: Sequence[int], weight_size: Sequence[int], option: str = "--input") -> Iterator[None]:
+def shapes_as_typed(input_size: Sequence[int], weight_size: Sequence[int], option: str = "--input",
+                    fn: str = "") -> Iterator[None]:
     """Add to a ValueError about the shapes how the input size was read (which entry is C_in), einops's habit of
-    re-raising with the context the user knows."""
+    re-raising with the context the user knows. An input one size short of a batched one is read as unbatched,
+    the likelier slip then being a missing size: the message starts with that reading, not with what it broke
+    (``--input 1,1,5 --weight 1,1,3,3`` blamed the kernel's height for the input's H=1)."""
     try:
         yield
     except ConvgradValueError as err:
         context = read_as(input_size, weight_size, option)
         if not context:
             raise
-        raise ConvgradValueError(f"{' '.join(str(err).split())} ({context})") from None
+        message = " ".join(str(err).split())
+        n = len(weight_size) - 2
+        if len(input_size) == n + 1:
+            batched = ", ".join(("N", "C_in", *_SPATIAL[n]))
+            raise ConvgradValueError(
+                f"{option} {','.join(map(str, input_size))} has {n + 1} sizes and --weight "
+                f"{','.join(map(str, weight_size))} is a {n}d convolution's, so the input is read as unbatched "
+                f"({', '.join(('C_in', *_SPATIAL[n]))}) = ({', '.join(map(str, input_size))}); a batched input "
+                f"takes {n + 2} sizes ({batched}). Read so: {message.removeprefix(f'{fn}: ')}") from None
+        raise ConvgradValueError(f"{message} ({context})") from None
 
 
 class _Parser(argparse.ArgumentParser):

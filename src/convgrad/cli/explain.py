@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                  output_padding=args.output_padding, groups=args.groups)
     # the method names first: how --input was read explains a shape error, not a misspelt method
     resolve_methods(args.method, args.input_method, args.weight_method)
-    with shapes_as_typed(args.input, args.weight):
+    with shapes_as_typed(args.input, args.weight, fn="explain"):
         recipe = convgrad.explain(args.input, args.weight, **hyper, method=args.method,
                                   input_method=args.input_method, weight_method=args.weight_method)
     if args.animate or args.html:  # frames of an fft plan: refused before anything is printed, like a bad path
