@@ -69,6 +69,37 @@ def test_each_output_is_written_exactly_where_it_is_reported(tmp_path: Path, cap
     assert all((tmp_path / name).stat().st_size > 0 for name in reported)
 
 
+@pytest.mark.parametrize("argv", [["--plot", "r.png"], ["--animate", "a.gif", "--max-frames", "3"],
+                                  ["--html", "p.html", "--max-frames", "3"], ["--plot", "r.png", "--html", "p.html"]])
+def test_a_picture_command_prints_one_line_per_file_not_the_recipe(argv: list[str], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: --plot, --animate and --html printed the whole recipe (40 lines here) before saying what they wrote;
+    --text asks for it."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["explain", *SMALL, *argv]) == 0
+    out, err = capsys.readouterr()
+    written = [a for a in argv if "." in a]
+    assert out == "" and err.splitlines() == [f"wrote {name}" for name in written]
+    assert cli.main(["explain", *SMALL, *argv, "--text"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("conv2d input=(1, 1, 5, 5) weight=(1, 1, 3, 3) stride=(2, 2)\n") and "grad_weight" in out
+    assert err.splitlines() == [f"wrote {name}" for name in written]
+
+
+@pytest.mark.parametrize("frames", ["0", "2", "-1"])
+def test_too_few_frames_are_refused_before_anything_is_printed(frames: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: --max-frames 0 printed the recipe, then failed in the renderer."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["explain", *SMALL, "--animate", "a.gif", "--text", "--max-frames", frames]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"convgrad explain: error: --max-frames={frames} must be at least 3: one frame for "
+                                 "each of forward, grad_input, grad_weight\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- a closed pipe ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow  # a fresh interpreter; test_cli.py::test_a_closed_pipe_ends_quietly checks the status in-process

@@ -284,7 +284,7 @@ def test_html_is_self_contained(name: str, tmp_path: Path) -> None:
 def test_cli_animates_and_writes_html_with_a_chosen_method(tmp_path: Path, capsys: Any) -> None:
     gif, page = tmp_path / "t.gif", tmp_path / "t.html"
     assert cli.main(["explain", "--input", "1,1,3,3", "--weight", "1,1,3,3", "--transposed", "--stride", "2",
-                     "--method", "polyphase", "--animate", str(gif), "--html", str(page), "--max-frames", "6"]) == 0
+                     "--method", "polyphase", "--animate", str(gif), "--html", str(page), "--max-frames", "6", "--text"]) == 0
     out = capsys.readouterr().out
     assert "polyphase" in out and "symbols:" in out
     assert gif.exists() and "http" not in page.read_text().lower()
@@ -295,7 +295,7 @@ def test_cli_animates_and_writes_html_with_a_chosen_method(tmp_path: Path, capsy
     (["--method", "subpixel", "--dilation", "2"], "input_method='subpixel' cannot serve"),
     (["--method", "blocks", "--stride", "2"], "weight_method='blocks' cannot serve"),
     (["--method", "taps", "--weight-method", "kernel"], "disagree"),
-    (["--max-frames", "2", "--animate", "x.gif"], "max_frames=2 must be at least one frame per gradient"),
+    (["--max-frames", "2", "--animate", "x.gif"], "--max-frames=2 must be at least 3: one frame for each of"),
 ])
 def test_cli_method_errors_are_one_line(argv: list[str], message: str, capsys: Any) -> None:
     assert cli.main(["explain", "--input", "1,1,7,7", "--weight", "1,1,3,3", *argv]) == 2
