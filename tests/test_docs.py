@@ -88,6 +88,17 @@ def test_readme_names_the_backends_there_are() -> None:
     assert set(re.findall(r"`(\w+)`", listed)) >= set(convgrad.backends()), listed
 
 
+def test_every_count_of_the_how_do_i_questions_is_the_pages() -> None:
+    """README said "the three questions", docs/index.md too, while the page (four sections) said "Four"."""
+    words = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+    asked = len(re.findall(r"^## How ", (ROOT / "docs" / "how-do-i.md").read_text(), flags=re.M))
+    counts = {path.name: re.findall(r"(?i)\b(" + "|".join(words) + r") questions", path.read_text())
+              for path in (ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "how-do-i.md")}
+    assert asked >= 4 and all(counts.values()), counts
+    assert {name: {words.index(w.lower()) + 1 for w in found} for name, found in counts.items()} == {
+        name: {asked} for name in counts}
+
+
 def test_readme_links_only_inside_the_repository() -> None:
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)\s]+)\)", text)
