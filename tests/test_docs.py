@@ -76,6 +76,16 @@ def test_py_output_reports_a_missing_or_stale_output(tmp_path: Path) -> None:
     assert py_output.problems(page, ["2\n", "a\n", "4.25 ms\nmore\n"])[1:]  # not its lines
 
 
+@pytest.mark.parametrize("needle", ['grad_sample_mode="ghost"', "BatchMemoryManager("])
+def test_the_opacus_modes_the_dp_page_names_have_code_with_its_output(needle: str) -> None:
+    """Ghost clipping and BatchMemoryManager's virtual steps had a sentence each and no code: each has a block that
+    runs (test_python_blocks_run_and_show_what_they_print) with what it prints under it, checked against convgrad's
+    own clipped sum."""
+    found = [b for b in py_output.blocks(DOCS / "per_sample.md") if needle in b.code]
+    assert len(found) == 1 and found[0].body and not found[0].volatile, found
+    assert "assert_close(p.grad, e" in found[0].code and "print(" in found[0].code
+
+
 def test_readme_names_the_backends_there_are() -> None:
     """The README's example comment printed an old list ('auto', 'fwdconv', 'native', ...), and its backend list
     left out channels_last, chunked and regroup."""
