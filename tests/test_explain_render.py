@@ -284,7 +284,8 @@ def test_html_is_self_contained(name: str, tmp_path: Path) -> None:
 def test_cli_animates_and_writes_html_with_a_chosen_method(tmp_path: Path, capsys: Any) -> None:
     gif, page = tmp_path / "t.gif", tmp_path / "t.html"
     assert cli.main(["explain", "--input", "1,1,3,3", "--weight", "1,1,3,3", "--transposed", "--stride", "2",
-                     "--method", "polyphase", "--animate", str(gif), "--html", str(page), "--max-frames", "6", "--text"]) == 0
+                     "--method", "polyphase", "--animate", str(gif), "--html", str(page), "--max-frames", "6",
+                     "--text"]) == 0
     out = capsys.readouterr().out
     assert "polyphase" in out and "symbols:" in out
     assert gif.exists() and "http" not in page.read_text().lower()
