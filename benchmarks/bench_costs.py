@@ -1,9 +1,11 @@
 """The reference costs that `convgrad bench` prices a run with (src/convgrad/cli/bench/costs.json), from bench runs.
 
 Per (layer, dtype) of the runs' ``results.json``: the median seconds of each timed call (native and every backend,
-per task; native's forward; the matmul), auto's tuning and settling (``tune_s``), and the layer's matmul GFLOP/s
-timed in the same rounds, by which ``convgrad.cli.bench.estimate`` scales them to another machine. A later run
-overrides an earlier one's calls of the same layer, so runs with other backends add to a table.
+per task; native's forward; the matmul), auto's tuning and settling (``tune_s``), and the run's matmul probe in
+GFLOP/s (``estimate.matmul_gflops``, at the run's threads), by which ``convgrad.cli.bench.estimate`` scales them to
+another machine. A later run overrides an earlier one's calls of the same layer, so runs with other backends add
+to a table. The figures are seconds of the machine the runs ran on: run them alone on it (with other work beside
+them, 2 threads cost 5x their quiet time on a 2-core VM, and the probe did not slow alike).
 
 On a quiet machine (the figures are seconds of this machine; the layers' defaults are what is priced):
 
@@ -32,7 +34,7 @@ def table(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for data in runs:
         for lay in data["layers"]:
             entry = layers.setdefault(f"{lay['layer']}|{lay['dtype']}", {"calls": {}})
-            entry["matmul_gflops"] = round(lay["matmul_gflops"], 3)
+            entry["matmul_gflops"] = data["meta"]["matmul_gflops"]
             entry["calls"]["forward"] = lay["forward_ms"] / 1e3
             entry["calls"]["matmul"] = lay["matmul_ms"] / 1e3
             if lay["tune_seconds"]:

@@ -197,17 +197,20 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     tasks = ("both",) if args.quick else TASKS
-    plan = estimate.estimate(work, tasks, args.repeats, args.min_time, estimate.matmul_gflops(device, args.dtype[0]))
+    gflops = estimate.matmul_gflops(device, args.dtype[0])
+    plan = estimate.estimate(work, tasks, args.repeats, args.min_time, gflops)
     line = _plan_line(args, work, backends, tasks, plan)
-    meta = _meta(args, device, backends) | {"malloc": malloc, "estimate_s": round(plan.total, 1), "plan": line}
+    meta = _meta(args, device, backends) | {"malloc": malloc, "matmul_gflops": round(gflops, 2),
+                                            "estimate_s": round(plan.total, 1), "plan": line}
     console = cli_console(quiet=args.quiet)
     console.print(line, soft_wrap=True, highlight=False)
     results: list[Any] = []
     try:
         _time_all(args, console, work, tasks, device, meta, plan, results)
     except KeyboardInterrupt:
-        print(f"convgrad bench: interrupted after {len(results)} of {len(work)} layers; what they measured is in "
-              f"{args.out / 'results.json'} and {args.out / 'results.md'}", file=sys.stderr)
+        kept = (f"what they measured is in {args.out / 'results.json'} and {args.out / 'results.md'}" if results
+                else "nothing was written")
+        print(f"convgrad bench: interrupted after {len(results)} of {len(work)} layers; {kept}", file=sys.stderr)
         return 130
     _print(console, results, meta, args.repeats)
     pngs = [str(args.out / f"{name}_{dtype}.png") for dtype in dict.fromkeys(r.dtype for r in results)

@@ -5,7 +5,8 @@ The estimate prices the bench's own loop (``convgrad.cli.bench.timing``) call by
 * the first call of every timed call (each backend and task, native's forward, the matmul), then one more to
   calibrate the calls per sample; for ``auto``, instead of the first call, its tuning and settling;
 * ``repeats`` rounds, in each of which every call is sampled for ``max(min_time, one call)``, plus one untimed call
-  where a sample has several.
+  where a sample has several;
+* the reports written after it (``WRITE_SECONDS``), and once at the end the last charts and tables.
 
 The seconds of one call come from a reference run: ``costs.json`` beside this module, written by
 ``benchmarks/bench_costs.py`` from the ``results.json`` of ``convgrad bench`` runs (the file names the machine and
@@ -45,6 +46,7 @@ GUESS_EFFICIENCY = 0.2  # a backward's FLOP/s over the matmul's, where no refere
 GUESS_TUNE_CALLS = 12  # auto's tuning and settling, in calls of native's backward, where no reference says
 GUESS_DTYPE_FACTOR = 2.0  # float64 (or a half dtype on the CPU) over float32, where no reference says
 WRITE_SECONDS = 0.5  # writing results.json, results.md (and now and then the charts) after a layer
+END_SECONDS = 3.0  # the last charts and the printed tables (3 s on a 2-core VM for the smoke suite)
 
 
 @dataclass(frozen=True)
@@ -57,14 +59,14 @@ class Estimate:
 
     @property
     def total(self) -> float:
-        return sum(self.seconds)
+        return sum(self.seconds) + END_SECONDS
 
     def left(self, done: int, spent: float) -> float:
         """Seconds left after ``done`` items took ``spent``: the rest of the estimate, scaled by how far off the done
         part was (within 0.5x to 3x, so one odd layer does not swing it)."""
         planned = sum(self.seconds[:done])
         scale = min(3.0, max(0.5, spent / planned)) if done and planned > 0 else 1.0
-        return sum(self.seconds[done:]) * scale
+        return sum(self.seconds[done:]) * scale + (END_SECONDS if done < len(self.seconds) else 0.0)
 
 
 @functools.cache

@@ -104,14 +104,15 @@ def rows(results: list[LayerTiming], repeats: int | None = None) -> list[dict[st
 
 def layer_line(r: LayerTiming, repeats: int | None = None) -> str:
     """One layer's answer in a line, as a run not on a terminal prints it: each backend's speed-up on both gradients,
-    and what auto chose."""
+    what auto chose, and what its tuning cost (a training run's first steps pay it) when over a second."""
     parts = []
     for backend in (b for b, t in r.samples if t == "both" and b != "native"):
         mark = SUSPECT_MARK if suspect(r, backend, "both", repeats) else ""
         chose = f" (chose {r.auto_choice['both']})" if backend == "auto" and "both" in r.auto_choice else ""
         parts.append(f"{backend} {r.speedup(backend, 'both'):.2f}x{mark}{chose}")
+    tuned = f"; auto's tuning took {r.tune_seconds:.0f} s" if r.tune_seconds >= 1 else ""
     return (f"{r.layer.name} {r.dtype} in {r.seconds:.0f} s: speed-up vs native on both gradients: "
-            f"{', '.join(parts)}")
+            f"{', '.join(parts)}{tuned}")
 
 
 def layer_rows(results: list[LayerTiming], repeats: int | None = None) -> list[dict[str, Any]]:
