@@ -137,7 +137,7 @@ def estimate(work: Sequence[tuple[Layer, str, Sequence[str]]], tasks: Sequence[s
         seconds.append(first + repeats * per_round + WRITE_SECONDS)
         guessed += guess
     source = (f"from a reference run on {costs['machine']}, scaled by this machine's matmul speed"
-              if costs else "from FLOP counts alone: no reference run was found")
+              if costs else "a guess from FLOP counts: the reference run's costs.json is missing")
     return Estimate(tuple(seconds), guessed, source)
 
 
