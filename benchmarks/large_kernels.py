@@ -139,29 +139,36 @@ def measure(layer: Layer, min_time: float) -> dict[str, object]:
         picked = {k: v if pick(keys[k]()) == v else f"{v} (retuned)" for k, v in picked.items()}
         peaks = {"native": peak_bytes(calls["native_bwd"]), "fft": peak_bytes(calls["fft_bwd"]),
                  "auto": peak_bytes(calls["auto_bwd"])}
-    times.setdefault("fftconv_step", float("nan"))
     name, _, note = picked["fwd"].partition(" ")  # the forward has one result: "fft/fft" -> "fft"
     fwd = " ".join([name.split("/")[0], *([note] if note else [])])
     return {"layer": layer.name, "times": times, "auto": f"{fwd}; {picked['bwd']}", "peaks": peaks}
+
+
+NOT_TIMED = "n/a"  # fft-conv-pytorch has no transposed convolution (or is not installed): no speed-up to give
 
 
 def _row(r: dict[str, object]) -> str:
     t: dict[str, float] = r["times"]  # type: ignore[assignment]
     p: dict[str, int] = r["peaks"]  # type: ignore[assignment]
     step = {k: t[f"{k}_fwd"] + t[f"{k}_bwd"] for k in ("native", "fft", "auto")}
-    contender = t["fftconv_step"]
-    vs = {k: contender / step[k] if contender == contender else float("nan") for k in ("fft", "auto")}
+    contender = t.get("fftconv_step")  # a float nan here printed "nan" cells (HiFi-GAN's transposed conv)
+    vs = {k: NOT_TIMED if contender is None else f"{contender / step[k]:.2f}" for k in ("fft", "auto")}
     mib = " | ".join(f"{p[k] / 2**20:.1f}" for k in ("native", "fft", "auto"))
     return (f"| {r['layer']} | {t['native_fwd'] * 1e3:.1f} | {t['native_bwd'] * 1e3:.1f} | "
             f"{t['native_fwd'] / t['fft_fwd']:.2f} | {t['native_bwd'] / t['fft_bwd']:.2f} | "
             f"{t['native_fwd'] / t['auto_fwd']:.2f} | {t['native_bwd'] / t['auto_bwd']:.2f} | {r['auto']} | "
-            f"{step['native'] / step['auto']:.2f} | {vs['fft']:.2f} | {vs['auto']:.2f} | {mib} |")
+            f"{step['native'] / step['auto']:.2f} | {vs['fft']} | {vs['auto']} | {mib} |")
 
 
-HEADER = ("| layer | native fwd ms | native bwd ms | fft fwd x native | fft bwd x native | auto fwd x native | "
-          "auto bwd x native | auto picks (fwd; gi/gw) | auto step x native | fft step x fft-conv-pytorch | "
-          "auto step x fft-conv-pytorch | native bwd peak MiB | fft bwd peak MiB | auto bwd peak MiB |\n"
+# Every ratio of times is a speed-up, the reference's time over the contender's (above 1: the contender is faster), as
+# convgrad bench reports it (convgrad.cli.bench.report)
+HEADER = ("| layer | native fwd ms | native bwd ms | fft fwd speed-up vs native | fft bwd speed-up vs native | "
+          "auto fwd speed-up vs native | auto bwd speed-up vs native | auto picks (fwd; gi/gw) | "
+          "auto step speed-up vs native | fft step speed-up vs fft-conv-pytorch | "
+          "auto step speed-up vs fft-conv-pytorch | native bwd peak MiB | fft bwd peak MiB | auto bwd peak MiB |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+CONVENTION = ("a speed-up is the reference's time over the contender's (above 1: faster); n/a: fft-conv-pytorch has "
+              "no transposed convolution")
 
 
 CALLS = ("forward", "grad_input", "grad_weight")
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         command = "PYTHONPATH=src python " + shlex.join(["benchmarks/large_kernels.py", *(argv or sys.argv[1:])])
         note = ("peak of live bytes in PyTorch's CPU allocator during one call, float32 (the torch profiler's memory "
-                "events): independent of the load" if args.memory_only else "noisy: a shared machine")
+                "events): independent of the load" if args.memory_only else f"noisy: a shared machine; {CONVENTION}")
         args.out.write_text(f"`{command}` (threads={args.threads}; {note})\n\n" + "\n".join(lines) + "\n")
     return 0
 

@@ -7,10 +7,11 @@ other's choices. Each run writes results.json; for every (layer, backend, task, 
 ratio new / old of a metric within one round, then reports the median of those ratios over the rounds and their
 spread (min..max), per row and as the geomean over rows. A geomean whose spread contains 1.0 is within noise.
 
-Metrics (``--metric``): ``ratio_to_native`` (default) is each backend's median time over native's, measured in
-the same process, so a change of the machine's load between the two runs of a round cancels (native's own rows
-are left out: they are 1.0 by definition); ``median_ms`` compares times directly (native included), which shows
-a change in native's path too but carries the load drift.
+Metrics (``--metric``): ``speedup`` (default) is each backend's speed-up over native (native's median time over
+its own), measured in the same process, so a change of the machine's load between the two runs of a round cancels
+(native's own rows are left out: they are 1.0 by definition); new/old above 1 is the new tree faster. ``median_ms``
+compares times directly (native included; new/old below 1 is the new tree faster), which shows a change in native's
+path too but carries the load drift.
 
 Usage (arguments the script does not know go to ``convgrad bench``; the default is ``--suite smoke``)::
 
@@ -60,7 +61,7 @@ def run_bench(src: Path, out: Path, bench_args: list[str]) -> dict[Key, dict[str
     return {(r["layer"], r["backend"], r["task"], r["dtype"]): r for r in rows}
 
 
-_IQR = {"ratio_to_native": "ratio_iqr", "median_ms": "iqr_ms"}  # each metric's IQR over the bench's own repeats
+_IQR = {"speedup": "speedup_iqr", "median_ms": "iqr_ms"}  # each metric's IQR over the bench's own repeats
 
 
 def spreads(runs: list[dict[Key, dict[str, float]]], metric: str) -> dict[Key, float]:
@@ -76,10 +77,10 @@ def spreads(runs: list[dict[Key, dict[str, float]]], metric: str) -> dict[Key, f
 
 
 def ratios(old: dict[Key, dict[str, float]], new: dict[Key, dict[str, float]], metric: str) -> dict[Key, float]:
-    """new / old of the metric for every key both runs timed (native's rows left out for ratio_to_native)."""
+    """new / old of the metric for every key both runs timed (native's rows left out for speedup)."""
     out = {}
     for key in old.keys() & new.keys():
-        if metric == "ratio_to_native" and key[1] == "native":
+        if metric == "speedup" and key[1] == "native":
             continue
         a, b = old[key].get(metric), new[key].get(metric)
         if a and b and math.isfinite(a) and math.isfinite(b):
@@ -119,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("old_src", type=Path, help="the old tree's src folder (the one holding convgrad/)")
     parser.add_argument("new_src", type=Path, help="the new tree's src folder")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, each one run per tree (3)")
-    parser.add_argument("--metric", choices=("ratio_to_native", "median_ms"), default="ratio_to_native",
-                        help="what is compared (see the module doc; default ratio_to_native)")
+    parser.add_argument("--metric", choices=("speedup", "median_ms"), default="speedup",
+                        help="what is compared (see the module doc; default speedup)")
     parser.add_argument("--out", type=Path, help="keep every run's results here (default: a temporary folder)")
     args, bench_args = parser.parse_known_args(argv)
     bench_args = [a for a in bench_args if a != "--"]

@@ -64,3 +64,17 @@ def test_a_race_still_pending_is_reported_unsettled(bench: ModuleType) -> None:
     assert bench.settle(lambda: calls.append(1), lambda: settled, most=5) == "native/fft"
     assert len(calls) == 6
     assert bench.pick(None) == "native/native"
+
+
+def test_a_row_without_fft_conv_pytorch_says_n_a_not_nan(bench: ModuleType) -> None:
+    """Before: HiFi-GAN's transposed conv, which fft-conv-pytorch cannot compute, printed `nan` in both of its
+    columns. The row's speed-ups are the reference's time over the contender's."""
+    times = {"native_fwd": 0.1, "native_bwd": 0.4, "fft_fwd": 0.2, "fft_bwd": 0.1, "auto_fwd": 0.1, "auto_bwd": 0.2}
+    row = {"layer": "hifigan.up16s8", "times": times, "auto": "native; fwdconv/fwdconv",
+           "peaks": {"native": 2**20, "fft": 2**21, "auto": 2**20}}
+    cells = [c.strip() for c in bench._row(row).split("|")[1:-1]]
+    assert cells == ["hifigan.up16s8", "100.0", "400.0", "0.50", "4.00", "1.00", "2.00", "native; fwdconv/fwdconv",
+                     "1.67", "n/a", "n/a", "1.0", "2.0", "1.0"]
+    with_contender = bench._row(row | {"times": times | {"fftconv_step": 0.6}})
+    assert "| 2.00 | 2.00 |" in with_contender  # fft-conv-pytorch's step 0.6 s, fft's and auto's 0.3 s
+    assert all("speed-up" in h for h in bench.HEADER.split("\n")[0].split("|") if " vs " in h)

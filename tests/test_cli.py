@@ -180,6 +180,11 @@ def test_padding_error_names_every_accepted_form(command: str) -> None:
     (["bench", "--threads", "abc"], "argument --threads: invalid int value: 'abc'"),
     (["demo", "--epochs", "abc"], "argument --epochs: invalid int value: 'abc'"),
     (["nope"], "argument COMMAND: invalid choice: 'nope'"),
+    # before: "the following arguments are required: COMMAND", the bad option unnamed
+    (["--nonsense"], "unrecognized argument --nonsense; a command comes first: demo, check, bench, explain"),
+    (["-x", "--y=3"], "unrecognized arguments -x --y=3; a command comes first"),
+    # before: "convgrad: error: ...", pointing at the top level's --help, which does not list bench's options
+    (["bench", "--nonsense"], "unrecognized arguments: --nonsense"),
 ])
 def test_argument_errors_are_one_line_and_exit_2(argv: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -187,7 +192,7 @@ def test_argument_errors_are_one_line_and_exit_2(argv: list[str], message: str,
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
     err = capsys.readouterr().err
-    prog = "convgrad" if argv[0] == "nope" else f"convgrad {argv[0]}"
+    prog = "convgrad" if argv[0] not in cli.COMMANDS else f"convgrad {argv[0]}"
     assert info.value.code == 2 and err.count("\n") == 1 and err.startswith(f"{prog}: error: {message}"), err
     assert err.endswith(f"(see {prog} --help)\n"), err
 

@@ -1,6 +1,6 @@
 """What the command line promises, run in-process through ``cli.main``: --version, output paths written as reported
 and refused before any work, the status of a closed pipe, shapes shown as typed, demo's --out and summary, and the
-bench charts' colours and suspect references."""
+bench charts' colours (bench's trust signals: tests/test_bench_run.py)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,37 @@ def test_each_output_is_written_exactly_where_it_is_reported(tmp_path: Path, cap
     assert all((tmp_path / name).stat().st_size > 0 for name in reported)
 
 
+@pytest.mark.parametrize("argv", [["--plot", "r.png"], ["--animate", "a.gif", "--max-frames", "3"],
+                                  ["--html", "p.html", "--max-frames", "3"], ["--plot", "r.png", "--html", "p.html"]])
+def test_a_picture_command_prints_one_line_per_file_not_the_recipe(argv: list[str], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: --plot, --animate and --html printed the whole recipe (40 lines here) before saying what they wrote;
+    --text asks for it."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["explain", *SMALL, *argv]) == 0
+    out, err = capsys.readouterr()
+    written = [a for a in argv if "." in a]
+    assert out == "" and err.splitlines() == [f"wrote {name}" for name in written]
+    assert cli.main(["explain", *SMALL, *argv, "--text"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("conv2d input=(1, 1, 5, 5) weight=(1, 1, 3, 3) stride=(2, 2)\n") and "grad_weight" in out
+    assert err.splitlines() == [f"wrote {name}" for name in written]
+
+
+@pytest.mark.parametrize("frames", ["0", "2", "-1"])
+def test_too_few_frames_are_refused_before_anything_is_printed(frames: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: --max-frames 0 printed the recipe, then failed in the renderer."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["explain", *SMALL, "--animate", "a.gif", "--text", "--max-frames", frames]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"convgrad explain: error: --max-frames={frames} must be at least 3: one frame for "
+                                 "each of forward, grad_input, grad_weight\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- a closed pipe ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow  # a fresh interpreter; test_cli.py::test_a_closed_pipe_ends_quietly checks the status in-process
@@ -98,22 +129,34 @@ def test_a_three_entry_input_of_a_2d_weight_is_shown_unbatched(capsys: pytest.Ca
     assert capsys.readouterr().out.startswith("conv2d input=(4, 9, 9) (unbatched) weight=(6, 2, 3, 3) groups=2")
 
 
-@pytest.mark.parametrize(("command", "size", "weight", "context"), [
-    ("explain", "3,9,9", "6,4,3,3", "has 3 channels (--input 3,9,9 is read as unbatched (C_in, H, W): C_in=3 is its "
-                                    "entry 1)"),
-    ("explain", "2,3,9,9", "6,4,3,3", "has 3 channels (--input 2,3,9,9 is read as (N, C_in, H, W): C_in=3 is its "
-                                      "entry 2)"),
-    ("check", "3,9,9", "6,4,3,3", "has 3 channels (--input 3,9,9 is read as unbatched (C_in, H, W): C_in=3 is its "
-                                  "entry 1)"),
-    ("check", "5,7", "6,4,3", "has 5 channels (--input 5,7 is read as unbatched (C_in, L): C_in=5 is its entry 1)"),
+@pytest.mark.parametrize(("command", "size", "weight", "message"), [
+    ("explain", "2,3,9,9", "6,4,3,3", "weight.shape=(6, 4, 3, 3) with groups=1 expects in_channels=4, but input has "
+                                      "3 channels (--input 2,3,9,9 is read as (N, C_in, H, W): C_in=3 is its entry 2)"),
+    ("explain", "3,9,9", "6,4,3,3", "--input 3,9,9 has 3 sizes and --weight 6,4,3,3 is a 2d convolution's, so the "
+                                    "input is read as unbatched (C_in, H, W) = (3, 9, 9); a batched input takes 4 "
+                                    "sizes (N, C_in, H, W). Read so: weight.shape=(6, 4, 3, 3) with groups=1 expects "
+                                    "in_channels=4, but input has 3 channels"),
+    ("check", "3,9,9", "6,4,3,3", "--input 3,9,9 has 3 sizes and --weight 6,4,3,3 is a 2d convolution's, so the "
+                                  "input is read as unbatched (C_in, H, W) = (3, 9, 9); a batched input takes 4 sizes "
+                                  "(N, C_in, H, W). Read so: weight.shape=(6, 4, 3, 3) with groups=1 expects "
+                                  "in_channels=4, but input has 3 channels"),
+    ("check", "5,7", "6,4,3", "--input 5,7 has 2 sizes and --weight 6,4,3 is a 1d convolution's, so the input is "
+                              "read as unbatched (C_in, L) = (5, 7); a batched input takes 3 sizes (N, C_in, L). Read "
+                              "so: weight.shape=(6, 4, 3) with groups=1 expects in_channels=4, but input has 5 "
+                              "channels"),
+    # before: "kernel extent dilation*(k-1)+1=3 is larger than the padded input 1+0+0=1 in spatial dim 0 (...)", the
+    # kernel blamed where a size of the input is missing
+    ("explain", "1,1,5", "1,1,3,3", "--input 1,1,5 has 3 sizes and --weight 1,1,3,3 is a 2d convolution's, so the "
+                                    "input is read as unbatched (C_in, H, W) = (1, 1, 5); a batched input takes 4 "
+                                    "sizes (N, C_in, H, W). Read so: kernel extent dilation*(k-1)+1=3 is larger than "
+                                    "the padded input 1+0+0=1 in spatial dim 0"),
 ])
-def test_a_channel_mismatch_names_the_entry_as_typed(command: str, size: str, weight: str, context: str,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """Before: "... but input has 3 channels", with no word of which entry of --input 3,9,9 that was."""
+def test_a_shape_error_says_how_the_input_was_read(command: str, size: str, weight: str, message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "... but input has 3 channels", with no word of which entry of --input 3,9,9 that was; an input one
+    size short (read as unbatched) blamed the kernel."""
     assert cli.main([command, "--input", size, "--weight", weight]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"convgrad {command}: error: weight.shape=") and err.endswith(f"{context}\n"), err
-    assert err.count("\n") == 1
+    assert capsys.readouterr().err == f"convgrad {command}: error: {message}\n"
 
 
 @pytest.mark.parametrize("argv", [
@@ -170,13 +213,14 @@ def _timing(times: dict[str, float], layer: int = 0) -> timing.LayerTiming:
 
 
 def test_bench_charts_give_each_backend_one_colour(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: the ratio chart (without native) and the forward chart (with it) coloured each backend from
+    """Before: the speed-up chart (without native) and the forward chart (with it) coloured each backend from
     matplotlib's cycle, so fwdconv was orange in one and blue in the other."""
     from matplotlib.container import BarContainer
     from matplotlib.figure import Figure
 
     figures: list[Figure] = []
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    monkeypatch.setattr(report.os, "replace", lambda *a: None)  # nothing was saved to move into place
     results = [_timing({"native": 1.0, "fwdconv": 0.8, "gemm": 1.5, "auto": 0.9}, n) for n in range(2)]
     report.write_plots(results, tmp_path)
     colours: dict[str, set[tuple[float, ...]]] = {}
@@ -188,18 +232,3 @@ def test_bench_charts_give_each_backend_one_colour(tmp_path: Path, monkeypatch: 
     assert set(colours) == {"native", "fwdconv", "gemm", "auto"} and len(figures) == 2
     assert all(len(c) == 1 for c in colours.values()), colours  # one colour per backend across the charts
     assert len({next(iter(c)) for c in colours.values()}) == 4  # and a different one for each
-
-
-def test_bench_flags_an_implausible_native_time(tmp_path: Path) -> None:
-    """A native backward 20x slower than a formulation of the same sums is a measurement gone wrong (page faults),
-    and the table says so; 5x is left alone."""
-    suspect, fine = _timing({"native": 1.0, "fwdconv": 0.05}), _timing({"native": 1.0, "fwdconv": 0.2}, 1)
-    assert report.suspect_reference(suspect, "both") and not report.suspect_reference(fine, "both")
-    _, body = report.table_rows([suspect, fine])
-    native_rows = [row for row in body if row[2] == "native"]
-    assert all("(!)" in cell for cell in native_rows[0][4:7]) and not any("(!)" in c for c in native_rows[1])
-    assert not any("(!)" in c for row in body if row[2] != "native" for c in row)
-    report.to_markdown([suspect, fine], {"suite": "smoke", "command": "convgrad bench"}, tmp_path / "r.md")
-    assert report.SUSPECT_NOTE in (tmp_path / "r.md").read_text()
-    rows = report.rows([suspect, fine])
-    assert [r["suspect_reference"] for r in rows if r["task"] == "both"] == [True, True, False, False]

@@ -76,6 +76,16 @@ def test_py_output_reports_a_missing_or_stale_output(tmp_path: Path) -> None:
     assert py_output.problems(page, ["2\n", "a\n", "4.25 ms\nmore\n"])[1:]  # not its lines
 
 
+@pytest.mark.parametrize("needle", ['grad_sample_mode="ghost"', "BatchMemoryManager("])
+def test_the_opacus_modes_the_dp_page_names_have_code_with_its_output(needle: str) -> None:
+    """Ghost clipping and BatchMemoryManager's virtual steps had a sentence each and no code: each has a block that
+    runs (test_python_blocks_run_and_show_what_they_print) with what it prints under it, checked against convgrad's
+    own clipped sum."""
+    found = [b for b in py_output.blocks(DOCS / "per_sample.md") if needle in b.code]
+    assert len(found) == 1 and found[0].body and not found[0].volatile, found
+    assert "assert_close(p.grad, e" in found[0].code and "print(" in found[0].code
+
+
 def test_readme_names_the_backends_there_are() -> None:
     """The README's example comment printed an old list ('auto', 'fwdconv', 'native', ...), and its backend list
     left out channels_last, chunked and regroup."""
@@ -86,6 +96,17 @@ def test_readme_names_the_backends_there_are() -> None:
     assert comment is not None and ast.literal_eval(comment.group(1)) == convgrad.backends()
     listed = text.split("- Backends (`convgrad.backends()`):")[1].split("\n- ")[0]
     assert set(re.findall(r"`(\w+)`", listed)) >= set(convgrad.backends()), listed
+
+
+def test_every_count_of_the_how_do_i_questions_is_the_pages() -> None:
+    """README said "the three questions", docs/index.md too, while the page (four sections) said "Four"."""
+    words = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+    asked = len(re.findall(r"^## How ", (ROOT / "docs" / "how-do-i.md").read_text(), flags=re.M))
+    counts = {path.name: re.findall(r"(?i)\b(" + "|".join(words) + r") questions", path.read_text())
+              for path in (ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "how-do-i.md")}
+    assert asked >= 4 and all(counts.values()), counts
+    assert {name: {words.index(w.lower()) + 1 for w in found} for name, found in counts.items()} == {
+        name: {asked} for name in counts}
 
 
 def test_readme_links_only_inside_the_repository() -> None:

@@ -156,7 +156,8 @@ ROWS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("input_size-string", lambda: cg.conv_input_grad("2,4,9,9", W, GY, **KW), TypeError,
      r"conv_input_grad: input_size='2,4,9,9' must be a sequence of ints"),
     ("input_size-tensor", lambda: cg.conv_input_grad(X, W, GY, **KW), TypeError,
-     r"(?s)conv_input_grad: input_size=tensor\(.*must be a sequence of ints such as torch\.Size"),
+     r"conv_input_grad: input_size=<Tensor of shape \(2, 4, 9, 9\), float64> must be a sequence of ints such as "
+     r"torch\.Size \(pass its \.shape\)$"),
     # None or a non-tensor where a tensor is needed
     ("grad_output-None", _bw(grad_output=None), TypeError,
      r"conv_backward: grad_output is None, but a tensor is required"),
@@ -216,6 +217,18 @@ def test_a_refused_method_carries_its_fields(build: Callable[..., Any], method: 
     assert (err.method, err.reason, err.layer.startswith(spec.describe())) == (method, reason, True)
     again = pickle.loads(pickle.dumps(err))
     assert (type(again), str(again), again.reason) == (MethodRefused, str(err), reason)
+
+
+@pytest.mark.parametrize("which", ["input_size", "weight_size"])
+def test_explain_given_tensors_names_their_type_and_shape_not_their_values(which: str) -> None:
+    """Before: ``cg.explain(x, w)`` put the tensor's whole repr (a line per row of numbers) into the message."""
+    x, w = torch.randn(1, 1, 9, 9), torch.randn(1, 1, 3, 3)
+    args = (x, w.shape) if which == "input_size" else (x.shape, w)
+    with pytest.raises(ConvgradTypeError) as info:
+        cg.explain(*args)
+    shape = "(1, 1, 9, 9)" if which == "input_size" else "(1, 1, 3, 3)"
+    assert str(info.value) == (f"explain: {which}=<Tensor of shape {shape}, float32> must be a sequence of ints "
+                               "such as torch.Size (pass its .shape)")
 
 
 def test_explain_rewords_a_refusal_from_its_reason() -> None:

@@ -336,7 +336,7 @@ def test_native_backend_takes_tensors_or_sizes() -> None:
 def test_cli_prints_recipe_and_native_choice(capsys: Any, tmp_path: Any) -> None:
     png = tmp_path / "r.png"
     assert cli.main(["explain", "--input", "1,1,5,5", "--weight", "1,1,3,3", "--stride", "2", "--padding", "0:1",
-                     "--dtype", "float64", "--plot", str(png)]) == 0
+                     "--dtype", "float64", "--plot", str(png), "--text"]) == 0
     out = capsys.readouterr().out
     assert "conv2d input=(1, 1, 5, 5)" in out and "phase" in out and "_slow_conv2d_backward" in out
     assert png.exists()

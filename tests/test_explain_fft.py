@@ -177,7 +177,7 @@ def test_cli_explain_method_fft_prints_the_steps_and_refuses_animate(tmp_path: P
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     # in-process (issue 26: the CLI's own tests call main(argv); test_cli.py keeps the two subprocess smoke tests)
     argv = ["explain", "--input", "1,2,9", "--weight", "2,2,4", "--stride", "2"]
-    assert cli.main([*argv, "--method", "fft", "--plot", str(tmp_path / "f.png")]) == 0
+    assert cli.main([*argv, "--method", "fft", "--plot", str(tmp_path / "f.png"), "--text"]) == 0
     assert "by the convolution theorem" in capsys.readouterr().out and (tmp_path / "f.png").stat().st_size > 0
     assert cli.main([*argv, "--weight-method", "fft", "--animate", str(tmp_path / "f.gif")]) == 2
     out, err = capsys.readouterr()

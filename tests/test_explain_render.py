@@ -284,7 +284,8 @@ def test_html_is_self_contained(name: str, tmp_path: Path) -> None:
 def test_cli_animates_and_writes_html_with_a_chosen_method(tmp_path: Path, capsys: Any) -> None:
     gif, page = tmp_path / "t.gif", tmp_path / "t.html"
     assert cli.main(["explain", "--input", "1,1,3,3", "--weight", "1,1,3,3", "--transposed", "--stride", "2",
-                     "--method", "polyphase", "--animate", str(gif), "--html", str(page), "--max-frames", "6"]) == 0
+                     "--method", "polyphase", "--animate", str(gif), "--html", str(page), "--max-frames", "6",
+                     "--text"]) == 0
     out = capsys.readouterr().out
     assert "polyphase" in out and "symbols:" in out
     assert gif.exists() and "http" not in page.read_text().lower()
@@ -295,7 +296,7 @@ def test_cli_animates_and_writes_html_with_a_chosen_method(tmp_path: Path, capsy
     (["--method", "subpixel", "--dilation", "2"], "input_method='subpixel' cannot serve"),
     (["--method", "blocks", "--stride", "2"], "weight_method='blocks' cannot serve"),
     (["--method", "taps", "--weight-method", "kernel"], "disagree"),
-    (["--max-frames", "2", "--animate", "x.gif"], "max_frames=2 must be at least one frame per gradient"),
+    (["--max-frames", "2", "--animate", "x.gif"], "--max-frames=2 must be at least 3: one frame for each of"),
 ])
 def test_cli_method_errors_are_one_line(argv: list[str], message: str, capsys: Any) -> None:
     assert cli.main(["explain", "--input", "1,1,7,7", "--weight", "1,1,3,3", *argv]) == 2
@@ -332,3 +333,19 @@ def test_the_subtitle_reads_each_steps_label_not_its_describe_wording(monkeypatc
         monkeypatch.setattr(kind, "describe", lambda self: "reworded (stride-1 zeros, negative = crop)")
     assert legend.data_steps(recipe.scene("grad_input")) == before
     assert "reworded" in str(recipe)  # the text view does read describe()
+
+
+@pytest.mark.parametrize(("write", "fn", "suffix"), [
+    (lambda r, p: r.plot(p), "Recipe.plot", ".png"),
+    (lambda r, p: r.plot(p, gradients=("grad_weight",)), "Recipe.plot", ".svg"),
+    (lambda r, p: r.to_html(p, max_frames=3), "Recipe.to_html", ".html"),
+    (lambda r, p: r.animate(p, max_frames=3), "Recipe.animate", ".gif"),
+], ids=["plot", "plot-one-gradient", "to_html", "animate"])
+def test_every_picture_into_a_missing_folder_says_so_the_same_way(write: Any, fn: str, suffix: str,
+                                                                 tmp_path: Path) -> None:
+    """Before: ``Recipe.plot('/missing/x.png')`` raised PIL's raw FileNotFoundError after drawing, where to_html and
+    animate said which folder is missing."""
+    path = tmp_path / "missing" / f"x{suffix}"
+    with pytest.raises(ValueError) as info:
+        write(_recipe("1d-dilated"), path)
+    assert str(info.value) == f"{fn}: path={str(path)!r}: the directory {str(path.parent)!r} does not exist"

@@ -14,6 +14,7 @@ import torch
 from convgrad.backends import traceable_names
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec, ntuple
+from convgrad.spec.arguments import value_text
 
 if TYPE_CHECKING:
     from convgrad.backends import Backend
@@ -113,7 +114,8 @@ def check_size(fn: str, name: str, size: Any) -> tuple[int, ...]:
         ValueError: a negative entry.
     """
     if isinstance(size, torch.Tensor) or not isinstance(size, Sequence) or isinstance(size, str):
-        raise ConvgradTypeError(f"{fn}: {name}={size!r} must be a sequence of ints such as torch.Size")
+        hint = " (pass its .shape)" if hasattr(size, "shape") else ""
+        raise ConvgradTypeError(f"{fn}: {name}={value_text(size)} must be a sequence of ints such as torch.Size{hint}")
     return ntuple(fn, name, tuple(size), len(size), 0)  # errors name `name`, not the spec's "input.shape"
 
 

@@ -101,23 +101,57 @@ def read_as(input_size: Sequence[int], weight_size: Sequence[int], option: str =
 
 
 @contextlib.contextmanager
-def shapes_as_typed(input_size: Sequence[int], weight_size: Sequence[int], option: str = "--input") -> Iterator[None]:
+def shapes_as_typed(input_size: Sequence[int], weight_size: Sequence[int], option: str = "--input",
+                    fn: str = "") -> Iterator[None]:
     """Add to a ValueError about the shapes how the input size was read (which entry is C_in), einops's habit of
-    re-raising with the context the user knows."""
+    re-raising with the context the user knows. An input one size short of a batched one is read as unbatched,
+    the likelier slip then being a missing size: the message starts with that reading, not with what it broke
+    (``--input 1,1,5 --weight 1,1,3,3`` blamed the kernel's height for the input's H=1)."""
     try:
         yield
     except ConvgradValueError as err:
         context = read_as(input_size, weight_size, option)
         if not context:
             raise
-        raise ConvgradValueError(f"{' '.join(str(err).split())} ({context})") from None
+        message = " ".join(str(err).split())
+        n = len(weight_size) - 2
+        if len(input_size) == n + 1:
+            batched = ", ".join(("N", "C_in", *_SPATIAL[n]))
+            raise ConvgradValueError(
+                f"{option} {','.join(map(str, input_size))} has {n + 1} sizes and --weight "
+                f"{','.join(map(str, weight_size))} is a {n}d convolution's, so the input is read as unbatched "
+                f"({', '.join(('C_in', *_SPATIAL[n]))}) = ({', '.join(map(str, input_size))}); a batched input "
+                f"takes {n + 2} sizes ({batched}). Read so: {message.removeprefix(f'{fn}: ')}") from None
+        raise ConvgradValueError(f"{message} ({context})") from None
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with a bad argument reported as every other user error: one line on stderr, exit 2 (argparse
     would print the whole usage first; ``--help`` still shows it). The commands' parsers are of this class too."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.argv: list[str] = []  # what was typed, for error()
+        self.commands: dict[str, argparse.ArgumentParser] = {}  # the top level's: each command's parser
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # reported by the command's parser, whose --help lists what it takes
+            self.commands.get(getattr(parsed, "command", None) or "", self).error(
+                f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def parse_known_args(  # type: ignore[override]
+            self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
+        unknown = [a for a in self.argv if a.startswith("-") and a.split("=")[0] not in self._option_string_actions]
+        if message.startswith("the following arguments are required: COMMAND") and unknown:
+            # argparse names the missing command, not the option it could not place: `convgrad --nonsense`
+            message = (f"unrecognized argument{'s' if len(unknown) > 1 else ''} {' '.join(unknown)}; a command "
+                       f"comes first: {', '.join(COMMANDS)}")
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
@@ -137,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
+    parser.commands = dict(sub.choices)
     return parser
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from convgrad.cli import add_conv_arguments, parse_shape, shapes_as_typed
 from convgrad.errors import ConvgradValueError
 from convgrad.explain import fft_view
+from convgrad.explain.frames import GRADIENTS
 from convgrad.explain.methods import EXPLAIN_INPUT_METHODS, EXPLAIN_WEIGHT_METHODS, METHODS, resolve_methods
 
 __all__ = ["add_arguments", "check_outputs", "run"]
@@ -39,7 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save a step-through animation: .gif or .webp, .mp4 (needs ffmpeg), or .html")
     parser.add_argument("--html", metavar="PATH", help="save a self-contained page: frames with a slider, the "
                                                         "recipe and its PyTorch script")
-    parser.add_argument("--max-frames", type=int, default=120, help="frames in --animate/--html (default 120)")
+    parser.add_argument("--max-frames", type=int, default=120,
+                        help=f"frames in --animate/--html, at least {len(GRADIENTS)} (default 120)")
+    parser.add_argument("--text", action="store_true",
+                        help="print the recipe too when --plot, --animate or --html is given (they print only the "
+                             "files they wrote)")
     methods = ", ".join(METHODS)
     parser.add_argument("--method", help=f"a formulation to show, for whichever gradient has it ({methods})")
     parser.add_argument("--input-method", choices=EXPLAIN_INPUT_METHODS,
@@ -85,7 +90,11 @@ def _suffixes(option: str) -> tuple[str, ...]:
 def check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before anything is computed or printed, an output path that would not be written as given: one with
     no extension or an unknown one (matplotlib would add .png to the first), a folder, a folder that does not exist,
-    a place this user cannot write, and an .mp4 without ffmpeg."""
+    a place this user cannot write, and an .mp4 without ffmpeg; and a --max-frames below one frame per computation
+    (the frames of forward, grad_input and grad_weight are drawn)."""
+    if args.max_frames < len(GRADIENTS):
+        raise ConvgradValueError(f"--max-frames={args.max_frames} must be at least {len(GRADIENTS)}: one frame for "
+                                 f"each of {', '.join(GRADIENTS)}")
     for option in ("plot", "animate", "html"):
         value = getattr(args, option)
         if value is None:
@@ -113,7 +122,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the recipe and the native choice (or the script with --code); save the figure with --plot, the
-    animation with --animate, the page with --html."""
+    animation with --animate, the page with --html, which print instead one line per file written (the recipe too
+    with --text)."""
     import convgrad
 
     dtype = _dtype(args.dtype)  # a bad --dtype or output path is refused before anything is printed or written
@@ -123,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                  output_padding=args.output_padding, groups=args.groups)
     # the method names first: how --input was read explains a shape error, not a misspelt method
     resolve_methods(args.method, args.input_method, args.weight_method)
-    with shapes_as_typed(args.input, args.weight):
+    with shapes_as_typed(args.input, args.weight, fn="explain"):
         recipe = convgrad.explain(args.input, args.weight, **hyper, method=args.method,
                                   input_method=args.input_method, weight_method=args.weight_method)
     if args.animate or args.html:  # frames of an fft plan: refused before anything is printed, like a bad path
@@ -132,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 raise fft_view.frames_refused(f"explain --{'animate' if args.animate else 'html'}", gradient)
     if args.code:
         print(recipe.to_python(), end="")
-    else:
+    elif args.text or not (args.plot or args.animate or args.html):  # a picture command says only what it wrote
         print(recipe)
         print()
         print(convgrad.native_backend(args.input, args.weight, **hyper, dtype=dtype, device=args.device))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convgrad.backends import fft, fwdconv
+from convgrad.checks import check_size
 from convgrad.errors import ConvgradValueError
 from convgrad.explain import fft_view
 from convgrad.explain.kernel_choice import NativeChoice, native_backend
@@ -252,7 +253,7 @@ class Recipe:
             The matplotlib Figure (Agg canvas, no display needed), 800 px wide.
 
         Raises:
-            ValueError: an empty or unknown selection of gradients.
+            ValueError: an empty or unknown selection of gradients; a ``path`` in a folder that does not exist.
 
         Examples:
             >>> import convgrad as cg
@@ -260,6 +261,10 @@ class Recipe:
             >>> round(fig.get_size_inches()[0] * fig.dpi)  # pixels wide
             800
         """
+        if path is not None:
+            from convgrad.explain.raster import check_path
+
+            check_path(Path(path), "Recipe.plot")  # as animate and to_html: one line, not PIL's FileNotFoundError
         if any(g in self._fft() for g in gradients):
             return fft_view.plot(self.spec, self.plans, tuple(gradients), path)
         from convgrad.explain.picture import plot
@@ -391,6 +396,8 @@ def explain(
         >>> cg.explain((1, 1, 5, 5), (1, 1, 3, 3), stride=2, method="zero_insert").steps("grad_input")[0].kind
         'ZeroInsert'
     """
+    input_size, weight_size = check_size("explain", "input_size", input_size), check_size("explain", "weight_size",
+                                                                                            weight_size)
     spec = ConvSpec.from_shapes(input_size, weight_size, stride, padding, dilation, transposed, output_padding,
                                 groups, fn="explain")
     input_method, weight_method = resolve_methods(method, input_method, weight_method)

@@ -17,7 +17,8 @@ IntOrTuple = int | Sequence[int]
 
 __all__ = ["MAX_SPECS", "SPECS", "IntOrTuple", "Normalised", "PaddingArg", "Pair", "Shape", "check_bias_sizes",
            "check_channels", "check_extents", "check_output_mask", "check_output_padding", "exact", "is_int",
-           "is_symbolic", "memo_key", "normalise", "ntuple", "padding_pairs", "remember", "same_padding", "shape_tuple"]
+           "is_symbolic", "memo_key", "normalise", "ntuple", "padding_pairs", "remember", "same_padding", "shape_tuple",
+           "value_text"]
 
 
 def is_int(v: object) -> bool:
@@ -133,9 +134,25 @@ def remember(key: tuple[Any, ...], spec: Any) -> None:
     SPECS[key] = spec
 
 
+def value_text(value: Any) -> str:
+    """An argument as an error shows it: an array (a tensor, a NumPy array: anything with a shape and a dtype) by its
+    type and shape, since its repr runs to tens of lines of numbers; anything else by its repr.
+
+    Examples:
+        >>> import numpy as np
+        >>> value_text(np.zeros((1, 3, 5))), value_text((1, 3, 5))
+        ('<ndarray of shape (1, 3, 5), float64>', '(1, 3, 5)')
+    """
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or isinstance(value, (tuple, list)):
+        return repr(value)
+    return f"<{type(value).__name__} of shape {tuple(shape)}, {str(dtype).removeprefix('torch.')}>"
+
+
 def shape_tuple(fn: str, name: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, Sequence) or isinstance(shape, str):
-        raise ConvgradTypeError(f"{fn}: {name}={shape!r} must be a sequence of ints")
+        hint = " (pass its .shape)" if hasattr(shape, "shape") else ""
+        raise ConvgradTypeError(f"{fn}: {name}={value_text(shape)} must be a sequence of ints{hint}")
     return ntuple(fn, name, tuple(shape), len(shape), 0, symbolic=True)
 
 

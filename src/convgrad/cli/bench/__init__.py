@@ -3,12 +3,16 @@
 For each layer of the suite (``convgrad.cli.bench.layers``; ``--list`` prints them) and each dtype,
 grad_input, grad_weight and both together are timed for every backend, with native always included
 and interleaved in the same rounds, next to native's forward convolution and a matmul of equal FLOPs
-(``convgrad.cli.bench.timing``). Each backend's time is reported as a ratio to native's and as a
-multiple of the forward. The command prints rich tables (in full, also when its output is not a
-terminal) and writes ``results.json``, ``results.md``, ``ratios_<dtype>.png`` and
-``forward_<dtype>.png`` into ``--out`` (``convgrad.cli.bench.report``). The CPU model,
-core and thread counts (or the GPU) are recorded with every result. On CUDA, native is cuDNN and
-TF32 is switched off, so float32 means float32.
+(``convgrad.cli.bench.timing``). A backend not named by ``--backends`` is timed only on the layers where it
+takes part as auto races it (``timing.serves``). Each backend is reported by its speed-up over native
+(native's time over its own) and by its time in native forwards (``convgrad.cli.bench.report``).
+
+Before timing, the run says what it will time and about how long (``convgrad.cli.bench.estimate``); then a
+progress bar on a terminal, a line per layer otherwise. ``results.json`` and ``results.md`` are written into
+``--out`` after every layer (``speedups_<dtype>.png`` and ``forward_<dtype>.png`` at most every 30 s and at the
+end), so a stopped run leaves what it measured; at the end the command prints rich tables (in full, also when its
+output is not a terminal). The CPU model, core and thread counts (or the GPU) are recorded with every result. On
+CUDA, native is cuDNN and TF32 is switched off, so float32 means float32.
 
 Memory. By default (``--malloc keep``) glibc is told, through ``mallopt``, never to return freed
 memory to the system nor to serve big blocks by fresh ``mmap`` (what jemalloc or tcmalloc do, as
@@ -50,45 +54,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options (all have defaults)."""
     parser.add_argument("--suite", default="default",
                         help="suite of layers: default, slow (layers users report slow), all (both), "
-                             "large (large kernels, where the fft backend pays) or smoke (default: default)")
+                             "large (large kernels, where the fft backend pays: times fwdconv, fft and auto by "
+                             "default) or smoke (default: default)")
     parser.add_argument("--list", action="store_true", help="print the layers the run would time, then exit")
     parser.add_argument("--layers", nargs="+", metavar="PATTERN", help="only layers whose name matches a glob")
     parser.add_argument("--backends", nargs="+", metavar="NAME",
-                        help="backends to time besides native (default: every registered backend that declares "
-                             "bench_by_default)")
+                        help="backends to time besides native, on every layer (default: the suite's own, else "
+                             "every registered backend that declares bench_by_default, each on the layers where auto "
+                             "would race it)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"auto against native only, on both gradients in one call, {QUICK['repeats']} rounds of "
+                             f"{QUICK['min_time']:g} s samples: a layer's answer in seconds (with --layers NAME), "
+                             "unless native's own backward takes seconds")
     parser.add_argument("--dtype", nargs="+", default=["float32"], choices=DTYPES, metavar="DTYPE",
                         help="dtypes; float64 runs the suite's float64 subset unless --layers is given "
                              "(default: float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
-                        help="folder for results.json, results.md and the PNGs (default: ./bench-results)")
-    parser.add_argument("--repeats", type=int, default=7, help="rounds; medians and IQRs over them (default: 7)")
-    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per sample (default: 0.05)")
+                        help="folder for results.json, results.md and the PNGs, written after every layer "
+                             "(default: ./bench-results)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"rounds; medians and IQRs over them (default: {DEFAULTS['repeats']}; "
+                             f"{QUICK['repeats']} with --quick)")
+    parser.add_argument("--min-time", type=float, default=None,
+                        help=f"seconds per sample (default: {DEFAULTS['min_time']:g}; {QUICK['min_time']:g} with "
+                             "--quick)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when present)")
     parser.add_argument("--channels-last", action="store_true", help="input and grad_output in channels_last")
     parser.add_argument("--malloc", choices=["keep", "system"], default="keep",
                         help="keep: glibc keeps freed memory (no page faults per call); system: as is (default: keep)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no tables")
+    parser.add_argument("--quiet", action="store_true", help="no estimate, no progress and no tables")
 
 
-def default_backends() -> list[str]:
-    """The backends timed when no --backends is given: every registered one whose class sets ``bench_by_default``
-    (native is timed always, as the reference), auto last, after the backends it chooses among."""
+DEFAULTS = {"repeats": 7, "min_time": 0.05}
+QUICK = {"repeats": 3, "min_time": 0.02}
+
+
+def default_backends(suite: str | None = None) -> list[str]:
+    """The backends timed when no --backends is given: the suite's own (``layers.SUITE_BACKENDS``), else every
+    registered one whose class sets ``bench_by_default`` (native is timed always, as the reference), auto last,
+    after the backends it chooses among."""
     from convgrad.backends import backend_names, get_backend
+    from convgrad.cli.bench.layers import SUITE_BACKENDS
 
-    return sorted((b for b in backend_names() if get_backend(b).bench_by_default), key=lambda b: b == "auto")
+    names = SUITE_BACKENDS.get(suite or "") or [b for b in backend_names() if get_backend(b).bench_by_default]
+    return sorted(names, key=lambda b: b == "auto")
 
 
 def _check(args: argparse.Namespace) -> list[str]:
+    """Validate the options and fill in the defaults (--quick's where it is given); the backends to time."""
     from convgrad.backends import get_backend
 
+    for name, value in (("repeats", args.repeats), ("min_time", args.min_time)):
+        if value is None:
+            setattr(args, name, (QUICK if args.quick else DEFAULTS)[name])
     for name, low in (("threads", 1), ("repeats", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise ConvgradValueError(f"convgrad bench: --{name}={value} must be at least {low}")
     if args.min_time < 0:
         raise ConvgradValueError(f"convgrad bench: --min-time={args.min_time} must not be negative")
-    wanted = args.backends or default_backends()
+    wanted = args.backends or (["auto"] if args.quick else default_backends(args.suite))
     for b in wanted:
         get_backend(b, "convgrad bench")
     return ["native", *dict.fromkeys(b for b in wanted if b != "native")]
@@ -143,15 +169,15 @@ def _meta(args: argparse.Namespace, device: Any, backends: list[str]) -> dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark and write the reports; 0 on success."""
+    """Say what the run will time and about how long it takes, time it layer by layer (a progress bar on a terminal,
+    a line per layer otherwise), write the reports after every layer, print the tables; 0 on success."""
     if demo_extras_missing("bench", "rich.progress"):
         return 2
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from convgrad.cli.bench import report
+    from convgrad.cli.bench import estimate
     from convgrad.cli.bench.layers import select
-    from convgrad.cli.bench.timing import time_layer
+    from convgrad.cli.bench.timing import TASKS, serves
 
     if args.list:
         _list(args)
@@ -163,32 +189,92 @@ def run(args: argparse.Namespace) -> int:
             f"that gets results.json, results.md and the charts (give a new or existing folder)")
     device = _device(args.device)
     malloc = keep_malloc() if args.malloc == "keep" else "system"
-    work = [(layer, dtype) for dtype in args.dtype for layer in select(args.suite, args.layers, dtype)]
+    named = set(args.backends or ())  # timed on every layer; the others only where they take part (timing.serves)
+    work = [(layer, dtype, [b for b in backends if b in ("native", "auto") or b in named
+                            or serves(layer, dtype, b, device, args.channels_last)])
+            for dtype in args.dtype for layer in select(args.suite, args.layers, dtype)]
     args.out.mkdir(parents=True, exist_ok=True)  # an unusable --out fails now, not after every layer is timed
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
-    meta = _meta(args, device, backends) | {"malloc": malloc}
+    tasks = ("both",) if args.quick else TASKS
+    gflops = estimate.matmul_gflops(device, args.dtype[0])
+    plan = estimate.estimate(work, tasks, args.repeats, args.min_time, gflops)
+    line = _plan_line(args, work, backends, tasks, plan)
+    meta = _meta(args, device, backends) | {"malloc": malloc, "matmul_gflops": round(gflops, 2),
+                                            "estimate_s": round(plan.total, 1), "plan": line}
     console = cli_console(quiet=args.quiet)
-    results = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, disable=args.quiet or not console.is_terminal) as progress:
-        bar = progress.add_task("bench", total=len(work) * args.repeats)
-        for layer, dtype in work:
-            progress.update(bar, description=f"{layer.name} {dtype}")
-            rounds = time_layer(layer, dtype, backends, device, threads, args.repeats, args.min_time,
-                                args.channels_last)
-            for _ in range(args.repeats):
-                result = next(rounds)
-                progress.advance(bar)
-            results.append(result)
-    report.to_json(results, meta, args.out / "results.json")
-    report.to_markdown(results, meta, args.out / "results.md")
-    pngs = report.write_plots(results, args.out)
-    _print(console, results, meta)
-    console.print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}, {', '.join(map(str, pngs))}",
-                  soft_wrap=True)
+    console.print(line, soft_wrap=True, highlight=False)
+    results: list[Any] = []
+    try:
+        _time_all(args, console, work, tasks, device, meta, plan, results)
+    except KeyboardInterrupt:
+        kept = (f"what they measured is in {args.out / 'results.json'} and {args.out / 'results.md'}" if results
+                else "nothing was written")
+        print(f"convgrad bench: interrupted after {len(results)} of {len(work)} layers; {kept}", file=sys.stderr)
+        return 130
+    _print(console, results, meta, args.repeats)
+    pngs = [str(args.out / f"{name}_{dtype}.png") for dtype in dict.fromkeys(r.dtype for r in results)
+            for name in ("speedups", "forward")]
+    console.print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}, {', '.join(pngs)}", soft_wrap=True)
     return 0
+
+
+_PLOT_EVERY_S = 30.0  # the charts after a layer at most this often (a chart costs about a second), and at the end
+
+
+def _time_all(args: argparse.Namespace, console: Any, work: list[tuple[Any, str, list[str]]], tasks: tuple[str, ...],
+              device: Any, meta: dict[str, Any], plan: Any, results: list[Any]) -> None:
+    """Time every (layer, dtype) of ``work`` into ``results``, writing the reports after each."""
+    import time
+
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from convgrad.cli.bench import report
+    from convgrad.cli.bench.estimate import duration
+    from convgrad.cli.bench.timing import time_layer
+
+    threads, started, plotted = torch.get_num_threads(), time.perf_counter(), 0.0
+    live = console.is_terminal and not args.quiet
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[left]}"))
+    with Progress(*columns, console=console, disable=not live) as progress:
+        bar = progress.add_task("bench", total=len(work) * args.repeats, left="")
+        for i, (layer, dtype, backends) in enumerate(work):
+            progress.update(bar, description=f"{layer.name} {dtype}")
+            for result in time_layer(layer, dtype, backends, device, threads, args.repeats, args.min_time,
+                                     args.channels_last, tasks):
+                progress.advance(bar)
+                before = time.perf_counter() - started - result.seconds  # the layers done before this one
+                progress.update(bar, left=f"about {duration(max(0.0, plan.left(i, before) - result.seconds))} left")
+            results.append(result)
+            meta["layers_done"] = f"{i + 1} of {len(work)}"
+            report.to_json(results, meta, args.out / "results.json", args.repeats)
+            report.to_markdown(results, meta, args.out / "results.md", args.repeats)
+            if i + 1 == len(work) or time.perf_counter() - plotted >= _PLOT_EVERY_S:
+                report.write_plots(results, args.out)
+                plotted = time.perf_counter()
+            if not live and not args.quiet:
+                left = plan.left(i + 1, time.perf_counter() - started)
+                console.print(f"[{i + 1}/{len(work)}] {report.layer_line(result, args.repeats)}; "
+                              f"{'done' if i + 1 == len(work) else f'about {duration(left)} left'}", soft_wrap=True,
+                              highlight=False)
+
+
+def _plan_line(args: argparse.Namespace, work: list[tuple[Any, str, list[str]]], backends: list[str],
+               tasks: tuple[str, ...], plan: Any) -> str:
+    """What the run will time and about how long it will take."""
+    from convgrad.cli.bench.estimate import duration
+
+    layers = len({layer.name for layer, _, _ in work})
+    some = [f"{b} on the {n} where it takes part" for b in backends
+            if (n := sum(b in timed for _, _, timed in work)) < len(work)]
+    what = "both gradients in one call" if tasks == ("both",) else "grad_input, grad_weight and both"
+    guess = f"; {plan.guessed} of {len(work)} layers priced by a guess" if plan.guessed else ""
+    return (f"convgrad bench --suite {args.suite}: {layers} layer{'s' * (layers != 1)} x {len(backends)} backends "
+            f"({', '.join(backends)}{'; ' if some else ''}{', '.join(some)}), {what}, {', '.join(args.dtype)}, "
+            f"{args.repeats} round{'s' * (args.repeats != 1)} of samples of at least {args.min_time:g} s: about "
+            f"{duration(plan.total)} ({plan.source}{guess}); results are written to {args.out} after every layer")
 
 
 def _list(args: argparse.Namespace) -> None:
@@ -204,20 +290,20 @@ def _list(args: argparse.Namespace) -> None:
                   f"{layer.gflop():.2f} GFLOP per gradient")
 
 
-def _print(console: Any, results: list[Any], meta: dict[str, Any]) -> None:
+def _print(console: Any, results: list[Any], meta: dict[str, Any], repeats: int) -> None:
     from rich.table import Table
 
     from convgrad.cli.bench import report
 
     console.print(f"{meta['device_model']} ({meta['device']}), {meta['cores']} cores, {meta['threads']} threads, "
                   f"torch {meta['torch']}, auto mode {meta['auto_mode']}", soft_wrap=True)
-    header, body = report.table_rows(results)
-    table = Table(*header, title="median ms ± IQR; ratios to native's backward (x native) and to native's forward "
-                                 "(x fwd), median over rounds ± IQR")
+    header, body = report.table_rows(results, repeats)
+    table = Table(*header, title="median ms ± IQR; speed-up: native's time ÷ the backend's in the same round (above 1: "
+                                 "faster than native); in fwds: time ÷ native's forward; medians over rounds ± IQR")
     for row in body:
         table.add_row(*row)
     if any(report.SUSPECT_MARK in cell for row in body for cell in row):
-        table.caption = report.SUSPECT_NOTE
+        table.caption = report.suspect_note(meta)
     summ = Table(*report.SUMMARY_HEADER, title="geometric means over layers")
     for row in report.summary_rows(results):
         summ.add_row(*row)

@@ -8,7 +8,8 @@
   EfficientNet) and 1d depthwise convs (speech). Batches are sized so that native's forward takes at
   least 5 ms there: below that, the fixed cost of a call dominates every ratio to the forward.
 * ``large``: large kernels from published models (RepLKNet, SLaK, UniRepLKNet, wav2vec 2.0's positional conv,
-  Hyena, SincNet, wav2letter, HiFi-GAN, 3D UX-Net), where the fft backend pays, with two controls.
+  Hyena, SincNet, wav2letter, HiFi-GAN, 3D UX-Net), where the fft backend pays, with two controls. It times its
+  own backends by default (``SUITE_BACKENDS``): fft, fwdconv and auto.
 * ``all``: default and slow. ``smoke``: tiny versions of a few layers, for tests.
 
 Every layer runs in float32; the layers marked ``float64`` form the float64 subset.
@@ -30,7 +31,7 @@ from typing import Any
 from convgrad.errors import ConvgradValueError
 from convgrad.spec import ConvSpec
 
-__all__ = ["SUITES", "Layer", "select"]
+__all__ = ["SUITES", "SUITE_BACKENDS", "Layer", "select"]
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,13 @@ SUITES: dict[str, tuple[Layer, ...]] = {
         "resnet50.3x3s2", "resnet50.1x1s2down", "mobilenetv2.dw3x3", "wav2vec2.k10s5", "dcgan.convT4x4s2"})
     + tuple(_shrink(layer) for layer in _SLOW if layer.name in {"csn.g8x3x3x3", "efficientnet.dw5x5s2"}),
 }
+
+
+# The backends a suite times when --backends is not given, where not the registry's bench_by_default ones. On large
+# kernels auto chooses fft, fwdconv or native (benchmarks/results/large_kernels.md, made by
+# benchmarks/large_kernels.py); the registry's others rearrange native's direct kernels (channels_last, regroup,
+# chunked) or unfold 961 taps per pixel (gemm), so they lose there and would multiply the run's time
+SUITE_BACKENDS: dict[str, tuple[str, ...]] = {"large": ("fwdconv", "fft", "auto")}
 
 
 def select(suite: str, patterns: list[str] | None = None, dtype: str = "float32") -> tuple[Layer, ...]:

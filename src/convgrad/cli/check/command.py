@@ -153,7 +153,7 @@ def _run_config(console: Any, args: argparse.Namespace, dtype: torch.dtype) -> l
         raise ConvgradValueError("check: --input needs --weight, e.g. --input 2,4,9,9 --weight 6,2,3,3")
     for name in args.backend or ():  # a misspelt name first: how --input was read explains shape errors only
         get_backend(name, "check")
-    with shapes_as_typed(_as_tuple(args.input), _as_tuple(args.weight)):
+    with shapes_as_typed(_as_tuple(args.input), _as_tuple(args.weight), fn="check"):
         spec, results = check_config(_as_tuple(args.input), _as_tuple(args.weight), args.stride,
                                      _pairs(args.padding, len(_as_tuple(args.weight)) - 2), args.dilation,
                                      args.transposed, args.output_padding, args.groups, dtype, args.device,
