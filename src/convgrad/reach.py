@@ -130,8 +130,9 @@ class ReachMode(TorchFunctionMode):
 
     captures = False  # whether this mode records conv calls (``conv``)
 
-    def conv(self, call: ConvCall, forward: Callable[[ConvCall], torch.Tensor]) -> torch.Tensor:
-        """Run ``forward(call)`` (or an equivalent call) and return its output; a capture records what it needs."""
+    def conv(self, call: ConvCall, forward: Callable[[ConvCall], torch.Tensor], backend: str | None) -> torch.Tensor:
+        """Run ``forward(call)`` (or an equivalent call) and return its output; a capture records what it needs.
+        ``backend``: the convgrad backend ``forward`` runs the call with, or None for torch's own function."""
         return forward(call)
 
 
@@ -170,7 +171,7 @@ def hidden() -> Iterator[None]:
             torch._C._push_on_torch_function_stack(m)
 
 
-def dispatch(call: ConvCall, forward: Callable[[ConvCall], torch.Tensor]) -> torch.Tensor:
+def dispatch(call: ConvCall, forward: Callable[[ConvCall], torch.Tensor], backend: str) -> torch.Tensor:
     """Run a conv call that convgrad reached while a function mode is on the stack.
 
     The capture mode, if one is active, runs it (and records it); either way the computation runs with convgrad's
@@ -178,14 +179,15 @@ def dispatch(call: ConvCall, forward: Callable[[ConvCall], torch.Tensor]) -> tor
 
     Args:
         call: the call, with the name it is known by.
-        forward: computes the call's output (convgrad's ``apply`` with a backend, or torch's own function).
+        forward: computes the call's output (convgrad's ``apply`` with ``backend``).
+        backend: the backend's name, for a capture that reports it.
 
     Returns:
         What ``forward`` returns for the call (or for the capture's equivalent call).
     """
     capture = active_capture()
     with hidden():
-        return forward(call) if capture is None else capture.conv(call, forward)
+        return forward(call) if capture is None else capture.conv(call, forward, backend)
 
 
 def class_layers(module: torch.nn.Module) -> tuple[type, type | None]:

@@ -119,7 +119,7 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """
     if not routed and _function_modes():
         call = ConvCall(fn, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-        return dispatch(call, functools.partial(_handed_on, backend, memo))
+        return dispatch(call, functools.partial(_handed_on, backend, memo), backend)
     b = get_backend(backend, fn)
     if type(weight) in PARAMETER_TYPES and (bias is None or type(bias) in PARAMETER_TYPES):
         expanded = None  # neither is an ExpandedWeight (a subclass)

@@ -70,7 +70,8 @@ class Routing(ReachMode):
         call = ConvCall.parse(func, args, kwargs)
         module = self.module
         named = ConvCall(f"{call.fn} in {user_class(module).__name__}.forward", *_operands(call))
-        return dispatch(named, functools.partial(_routed, backend_of(module)))
+        backend = backend_of(module)
+        return dispatch(named, functools.partial(_routed, backend), backend)
 
 
 def _operands(call: ConvCall) -> tuple[Any, ...]:

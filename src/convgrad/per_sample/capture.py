@@ -145,7 +145,7 @@ class Capture(ReachMode):
         kwargs = kwargs or {}
         if func in CONV_FUNCTIONS:
             call = ConvCall.parse(func, args, kwargs)
-            return self.conv(call, lambda c: c.torch_call(func))
+            return self.conv(call, lambda c: c.torch_call(func), None)
         rule = FUNCTIONS.get(func)
         if rule is not None:
             return self._layer(func, rule, args, kwargs)
@@ -203,7 +203,7 @@ class Capture(ReachMode):
 
         return self.owner.tap(name, make, x, out, operands)
 
-    def conv(self, call: ConvCall, forward: Callable[[ConvCall], torch.Tensor]) -> torch.Tensor:
+    def conv(self, call: ConvCall, forward: Callable[[ConvCall], torch.Tensor], backend: str | None) -> torch.Tensor:
         """A conv call (reached here, or handed on by routing or by convgrad's ``apply``): captured as a layer where
         a sample meets a parameter, run by ``forward`` either way."""
         x = call.input
