@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import convgrad as cg
-from convgrad.nn.patch import Routing
+from convgrad.nn.patching import Routing
 from helpers import TOL, assert_matches_autograd
 from patterns import BlurPool, Functional, ModulatedConv, SameConv, StdConv, network
 
@@ -71,7 +71,7 @@ def test_patched_gradients_equal_torchs_for_every_way_of_calling_a_conv(name: st
     model = MODELS[name]().to(DT)
     inputs = _inputs(name)
     expected = _grads(model, *inputs)
-    patched = cg.patch(copy.deepcopy(model), backend=backend)
+    patched = cg.patch(copy.deepcopy(model), backend=backend, force=True)  # every layer, where it cannot win too
     assert_matches_autograd(_grads(patched, *inputs), expected, DT, f"{name} patched {backend}")
 
 
@@ -216,3 +216,31 @@ def test_stdconv_is_standardised_in_the_patched_forward() -> None:
     w = conv.weight.detach()
     std = (w - w.mean((1, 2, 3), keepdim=True)) / torch.sqrt(w.var((1, 2, 3), unbiased=False, keepdim=True) + 1e-6)
     torch.testing.assert_close(cg.patch(conv, backend="fwdconv")(x), F.conv2d(x, std, conv.bias), **TOL[DT])
+
+
+def _replknet_block() -> nn.Module:
+    """A RepLKNet-style block: 1x1 convs around a 31x31 depthwise conv (fft wins only on the large kernel)."""
+    return nn.Sequential(nn.Conv2d(4, 8, 1), nn.Conv2d(8, 8, 31, padding=15, groups=8), nn.Conv2d(8, 4, 1))
+
+
+def test_patch_keeps_torchs_conv_where_the_forced_backends_cost_model_rules_it_out() -> None:
+    """Regression (issue 41, item 4): patch(model, backend="fft") ran fft on the 1x1 convs too, 20-90x slower
+    each, silently; the block ran 0.70x as fast as unpatched."""
+    x = torch.randn(2, 4, 40, 40, requires_grad=True)
+    model = cg.patch(_replknet_block(), backend="fft")
+    with pytest.warns(UserWarning, match=r"patch\(backend='fft'\): fft's cost model rules it out on conv2d "
+                                         r"input=\(2, 4, 40, 40\) weight=\(8, 4, 1, 1\).*force=True") as seen:
+        model(x).sum().backward()
+    assert len([w for w in seen if "cost model rules it out" in str(w.message)]) == 2  # the two 1x1 layers
+    rows = cg.report(model, x).calls
+    assert [r.gradients for r in rows] == ["native", "fft", "native"]
+    forced = cg.patch(_replknet_block(), backend="fft", force=True)
+    assert [r.gradients for r in cg.report(forced, x).calls] == ["fft", "fft", "fft"]
+    with pytest.raises(TypeError, match="patch: force='yes' must be a bool"):
+        cg.patch(_replknet_block(), force="yes")  # type: ignore[arg-type]
+
+
+def test_patch_of_a_model_with_nothing_to_patch_says_so() -> None:
+    """Regression (issue 41, item 4): patch(nn.Linear(3, 3)) silently did nothing."""
+    with pytest.warns(UserWarning, match="patch: Linear has no convolution module and no module with a forward"):
+        cg.patch(nn.Linear(3, 3))

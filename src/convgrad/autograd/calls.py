@@ -91,7 +91,7 @@ def _note_export(fn: str) -> bool:
 
 def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
-           backend: str, memo: CallMemo | None = None, routed: bool = False) -> torch.Tensor:
+           backend: str, memo: CallMemo | None = None, routed: bool = False, everywhere: bool = True) -> torch.Tensor:
     """Validate one convolution call and run it: every public entry point and every convgrad module comes here.
 
     In order: a function mode on the stack (``convgrad.reach``: a capture records the call) gets the call first;
@@ -110,6 +110,8 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         backend: a registered backend's name.
         memo: the calling module's memo of its last native call, or None.
         routed: whether ``convgrad.reach.dispatch`` already handed this call on (so it is not handed on again).
+        everywhere: False for a backend that ``patch()`` set model-wide without ``force=True``: where the
+            backend's cost model rules it out (``Backend.can_serve``), torch's own convolution runs instead.
 
     Returns:
         ``(N, C_out, *out)``, or ``(C_out, *out)`` for an unbatched input.
@@ -119,7 +121,7 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """
     if not routed and _function_modes():
         call = ConvCall(fn, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-        return dispatch(call, functools.partial(_handed_on, backend, memo), backend)
+        return dispatch(call, functools.partial(_handed_on, backend, memo, everywhere), backend)
     b = get_backend(backend, fn)
     if type(weight) in PARAMETER_TYPES and (bias is None or type(bias) in PARAMETER_TYPES):
         expanded = None  # neither is an ExpandedWeight (a subclass)
@@ -148,6 +150,9 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                                 memo=not compiling)
     if bias is not None and (shape_of(bias) if sized else bias.shape) != (spec.out_channels,):
         raise ConvgradValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
+    if not everywhere and not b.can_serve(spec, input):
+        _keep_native(b.name, spec)
+        backend, b = "native", get_backend("native")
     exporting = compiling and _is_exporting()
     if exporting:
         _note_export(fn)
@@ -174,10 +179,24 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return cls.apply(input, weight, bias, spec, backend)
 
 
-def _handed_on(backend: str, memo: CallMemo | None, call: ConvCall) -> torch.Tensor:
+def _handed_on(backend: str, memo: CallMemo | None, everywhere: bool, call: ConvCall) -> torch.Tensor:
     """``apply`` of a call that ``dispatch`` handed on (possibly with a capture's detached operands)."""
     return apply(call.fn, call.input, call.weight, call.bias, call.stride, call.padding, call.dilation,
-                 call.transposed, call.output_padding, call.groups, backend, memo, routed=True)
+                 call.transposed, call.output_padding, call.groups, backend, memo, routed=True, everywhere=everywhere)
+
+
+_kept_native: set[tuple[str, str]] = set()  # (backend, layer) already warned about
+
+
+def _keep_native(backend: str, spec: ConvSpec) -> None:
+    """Say once per backend and layer that patch()'s model-wide backend leaves this layer to torch's own conv."""
+    layer = spec.describe()
+    if (backend, layer) in _kept_native:
+        return
+    _kept_native.add((backend, layer))
+    warnings.warn(f"patch(backend={backend!r}): {backend}'s cost model rules it out on {layer} (it cannot beat "
+                  f"torch's own kernel there), so torch's convolution runs this layer; patch(model, "
+                  f"backend={backend!r}, force=True) runs {backend} on every layer", UserWarning, stacklevel=4)
 
 
 def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: IntOrTuple = 1,

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from convgrad.backends import auto
+from convgrad.backends import auto, get_backend
 from convgrad.checks import check_module
+from convgrad.nn.modules import EVERYWHERE
 from convgrad.reach import CONV_FUNCTIONS, ConvCall, ReachMode, hidden
 from convgrad.spec import ConvSpec
 
@@ -80,13 +81,13 @@ class _Recorder(ReachMode):
 
     captures = True
 
-    def __init__(self, where: Callable[[], str]) -> None:
+    def __init__(self, where: Callable[[], nn.Module | None]) -> None:
         super().__init__()
         self.where = where
-        self.calls: list[tuple[str, ConvCall, str, bool]] = []  # (module, call, backend, reached by convgrad)
+        self.calls: list[tuple[nn.Module | None, ConvCall, str]] = []  # (module, call, backend)
 
     def conv(self, call: ConvCall, forward: Callable[[ConvCall], torch.Tensor], backend: str | None) -> torch.Tensor:
-        self.calls.append((self.where(), call, backend or "torch", backend is not None))
+        self.calls.append((self.where(), call, backend or "torch"))
         return forward(call)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -112,7 +113,7 @@ def _like(spec: ConvSpec, like: torch.Tensor, channels_last: bool) -> torch.Tens
     return base.expand(shape)
 
 
-def _choices(spec: ConvSpec, backend: str, like: torch.Tensor, need_input: bool,
+def _choices(spec: ConvSpec, backend: str, everywhere: bool, like: torch.Tensor, need_input: bool,
              need_weight: bool) -> tuple[str, str, str]:
     """(forward, gradients, why) for one call; ``like``: its input."""
     wanted = "both" if need_input and need_weight else "grad_input" if need_input else "grad_weight"
@@ -120,6 +121,9 @@ def _choices(spec: ConvSpec, backend: str, like: torch.Tensor, need_input: bool,
         wanted = ""
     if backend == "torch":
         return "torch", "torch" if wanted else "-", "not reached by convgrad: patch(model) reaches it"
+    if not everywhere and not get_backend(backend).can_serve(spec, like):
+        return "native", "native" if wanted else "-", (f"{backend}'s cost model rules it out here: torch's own conv "
+                                                      f"(patch(..., force=True) forces {backend})")
     if backend != "auto":
         return "native", backend if wanted else "-", f"backend={backend!r} set on the module or by patch()"
     if auto.fixed():
@@ -183,7 +187,7 @@ def report(model: nn.Module, *args: Any, **kwargs: Any) -> ModelReport:
     check_module("report", model)
     names = {m: name for name, m in model.named_modules()}
     stack: list[nn.Module] = []
-    recorder = _Recorder(lambda: names.get(stack[-1], "?") if stack else "")
+    recorder = _Recorder(lambda: stack[-1] if stack else None)
 
     def pre(module: nn.Module, inputs: Any) -> None:
         stack.append(module)
@@ -206,11 +210,13 @@ def report(model: nn.Module, *args: Any, **kwargs: Any) -> ModelReport:
             m.training = training
     rows = []
     with hidden():
-        for module, call, backend, _ in recorder.calls:
+        for module, call, backend in recorder.calls:
             spec = ConvSpec.from_shapes(call.input.shape, call.weight.shape, call.stride, call.padding, call.dilation,
                                         call.transposed, call.output_padding, call.groups, fn=call.fn)
             batched = call.input if call.input.dim() == call.weight.dim() else call.input.unsqueeze(0)
-            forward, gradients, why = _choices(spec, backend, batched,
-                                               call.input.requires_grad, call.weight.requires_grad)
-            rows.append(ConvCallReport(module, call.fn, spec.describe(), backend, forward, gradients, why))
+            everywhere = True if module is None else module.__dict__.get(EVERYWHERE, True)
+            forward, gradients, why = _choices(spec, backend, everywhere, batched, call.input.requires_grad,
+                                               call.weight.requires_grad)
+            rows.append(ConvCallReport(names.get(module, "") if module is not None else "", call.fn,
+                                       spec.describe(), backend, forward, gradients, why))
     return ModelReport(rows)

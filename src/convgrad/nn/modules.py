@@ -27,7 +27,7 @@ from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad
 from convgrad.tuning import modes as tuning_modes
 
-__all__ = ["DROP_IN", "TORCH_CONVS", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+__all__ = ["DROP_IN", "EVERYWHERE", "TORCH_CONVS", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
            "ConvgradMixin"]
 
 # looked up once: the memo check asks them on every call of every module. The compile check comes before the tracing
@@ -119,7 +119,8 @@ class ConvgradMixin:
         if memo is None:
             memo = self.__dict__["_convgrad_memo"] = CallMemo()
         return apply(name, input, weight, bias, self.stride, padding, self.dilation, False, 0, self.groups,
-                      self.backend, memo if self.padding_mode == "zeros" else None)
+                     self.backend, memo if self.padding_mode == "zeros" else None,
+                     everywhere=attrs.get(EVERYWHERE, True))
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         """torch's forward; ``output_size`` (transposed convs only) picks output_padding as torch does."""
@@ -136,7 +137,7 @@ class ConvgradMixin:
         output_padding = self._output_padding(  # type: ignore[attr-defined]  # torch's rule and its errors
             input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation)
         return apply(name, input, self.weight, self.bias, self.stride, self.padding, self.dilation, True,
-                      output_padding, self.groups, self.backend)
+                     output_padding, self.groups, self.backend, everywhere=self.__dict__.get(EVERYWHERE, True))
 
     def __prepare_scriptable__(self) -> Any:
         """torch.jit.script calls this first: refuse with the ways that work (a TorchScript graph cannot hold the
@@ -252,6 +253,8 @@ class ConvTranspose3d(ConvgradMixin, torch.nn.ConvTranspose3d):
     pass
 
 
+# on a module: False where patch() set its backend model-wide without force=True (``apply``'s ``everywhere``)
+EVERYWHERE = "_convgrad_everywhere"
 # torch base -> its convgrad drop-in; the six torch classes are siblings, so a module derives from at most one
 DROP_IN: dict[type, type] = {c.__mro__[2]: c for c in (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d,
                                                       ConvTranspose3d)}

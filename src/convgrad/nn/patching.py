@@ -20,6 +20,7 @@ nesting. A parametrization's generated class (weight_norm, spectral_norm) stays 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -28,8 +29,8 @@ from torch import Tensor
 from convgrad.autograd.calls import apply
 from convgrad.backends import get_backend
 from convgrad.checks import check_module
-from convgrad.errors import ConvgradValueError
-from convgrad.nn.modules import DROP_IN, TORCH_CONVS, ConvgradMixin
+from convgrad.errors import ConvgradTypeError, ConvgradValueError
+from convgrad.nn.modules import DROP_IN, EVERYWHERE, TORCH_CONVS, ConvgradMixin
 from convgrad.reach import CONV_FUNCTIONS, ConvCall, ReachMode, class_layers, dispatch, top_mode, user_class
 
 __all__ = ["PatchedBase", "RoutedBase", "Routing", "backend_of", "patch", "patched_class", "routes_forward",
@@ -45,10 +46,10 @@ def backend_of(module: torch.nn.Module) -> str:
     return module.__dict__.get(_BACKEND, "auto")
 
 
-def _routed(backend: str, call: ConvCall) -> Tensor:
+def _routed(backend: str, everywhere: bool, call: ConvCall) -> Tensor:
     """A routed conv call through convgrad's entry point (``dispatch`` has hidden the modes)."""
     return apply(call.fn, call.input, call.weight, call.bias, call.stride, call.padding, call.dilation,
-                 call.transposed, call.output_padding, call.groups, backend, routed=True)
+                 call.transposed, call.output_padding, call.groups, backend, routed=True, everywhere=everywhere)
 
 
 class Routing(ReachMode):
@@ -71,7 +72,8 @@ class Routing(ReachMode):
         module = self.module
         named = ConvCall(f"{call.fn} in {user_class(module).__name__}.forward", *_operands(call))
         backend = backend_of(module)
-        return dispatch(named, functools.partial(_routed, backend), backend)
+        everywhere = module.__dict__.get(EVERYWHERE, True)
+        return dispatch(named, functools.partial(_routed, backend, everywhere), backend)
 
 
 def _operands(call: ConvCall) -> tuple[Any, ...]:
@@ -156,7 +158,7 @@ def _patchable(module: torch.nn.Module) -> bool:
     return isinstance(module, TORCH_CONVS) or routes_forward(class_layers(module)[0])
 
 
-def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+def patch(model: torch.nn.Module, backend: str = "auto", force: bool = False) -> torch.nn.Module:
     """Make every convolution ``model`` runs compute its backward through convgrad, in place.
 
     Each ``torch.nn.Conv{1,2,3}d`` / ``ConvTranspose{1,2,3}d`` (or subclass) gets a generated subclass as its
@@ -166,11 +168,16 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
     state stay the very same objects. Modules that are already convgrad modules only get the new backend. Works
     under weight_norm / spectral_norm (both parametrizations and the old hook style). Other ``_ConvNd`` subclasses
     that derive from none of the six torch classes and have no forward of their own are left alone, and so are
-    scripted modules.
+    scripted modules; a model with nothing to patch is left as it is, with a warning.
+
+    A backend other than ``"auto"`` runs where its cost model lets it in (``Backend.can_serve``, auto's rule for
+    racing it) and torch's own convolution runs the other layers, with a warning naming each such layer once: fft
+    on a 1x1 conv runs 20-90x slower than torch's kernel. ``force=True`` runs it on every layer.
 
     Args:
         model: any ``torch.nn.Module`` (a conv module itself included).
         backend: one of ``convgrad.backends()`` (default ``"auto"``).
+        force: run ``backend`` on every layer, also where its cost model rules it out (default False).
 
     Returns:
         ``model`` itself.
@@ -194,9 +201,13 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
     """
     get_backend(backend, "patch")
     check_module("patch", model)
+    if not isinstance(force, bool):
+        raise ConvgradTypeError(f"patch: force={force!r} must be a bool")
+    patched = 0
     for name, module in model.named_modules():
         if not _patchable(module):
             continue
+        patched += 1
         if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise ConvgradValueError(
                 f"patch: module {name or type(module).__name__!r} is an uninitialised lazy module; "
@@ -209,6 +220,10 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
             module.backend = backend
         else:
             module.__dict__[_BACKEND] = backend
+        module.__dict__[EVERYWHERE] = force
+    if not patched:
+        warnings.warn(f"patch: {type(model).__name__} has no convolution module and no module with a forward of its "
+                      f"own (whose F.conv*d calls patch routes), so nothing was patched", UserWarning, stacklevel=2)
     return model
 
 
@@ -240,6 +255,6 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         if original is None:
             continue
         _set_class(module, original, outer)
-        module.__dict__.pop("backend", None)
-        module.__dict__.pop(_BACKEND, None)
+        for attr in ("backend", _BACKEND, EVERYWHERE):
+            module.__dict__.pop(attr, None)
     return model
