@@ -27,8 +27,8 @@ from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad
 from convgrad.tuning import modes as tuning_modes
 
-__all__ = ["DROP_IN", "EVERYWHERE", "TORCH_CONVS", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
-           "ConvgradMixin"]
+__all__ = ["DROP_IN", "EVERYWHERE", "TORCH_CONVS", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+           "ConvTranspose3d", "ConvgradMixin"]
 
 # looked up once: the memo check asks them on every call of every module. The compile check comes before the tracing
 # one, so Dynamo, for which it is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its two Python
@@ -91,9 +91,9 @@ class ConvgradMixin:
         """Forward conv through convgrad; non-zero padding modes pad explicitly by the spec's (lo, hi) pairs."""
         # The last call's validation serves this one (torch's convolution, see autograd.shortcut) where nothing it
         # depends on changed: the very hyperparameter objects, the operands' key, auto's state; never under
-        # no_weight_gradients, autocast, Dynamo, a function mode or jit's tracer. Inline (one caller) and reading the module's own
-        # attributes from its __dict__: Module's __getattr__ makes each attribute read a slot wrapper's call, several
-        # times a dict lookup; a missing one (None) just validates
+        # no_weight_gradients, autocast, Dynamo, a function mode or jit's tracer. Inline (one caller) and reading the
+        # module's own attributes from its __dict__: Module's __getattr__ makes each attribute read a slot wrapper's
+        # call, several times a dict lookup; a missing one (None) just validates
         attrs = self.__dict__
         memo = attrs.get("_convgrad_memo")
         if (memo is not None and memo.key is not None and attrs.get("padding_mode") == "zeros"

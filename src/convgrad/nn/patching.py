@@ -99,7 +99,7 @@ class RoutedBase(PatchedBase):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         top = top_mode()
         if isinstance(top, Routing):  # an enclosing routed forward: answer for this module while it runs
-            outer, top.module = top.module, self
+            outer, top.module = top.module, self  # type: ignore[assignment]  # self is the module (a mixin)
             try:
                 return super().forward(*args, **kwargs)  # type: ignore[misc]
             finally:
@@ -136,8 +136,7 @@ def patched_class(original: type) -> type:
 
 def _new_patched(original: type) -> Any:
     """Unpickling helper: an empty instance of the patched class of ``original``."""
-    cls = patched_class(original)
-    return cls.__new__(cls)
+    return object.__new__(patched_class(original))  # Module has no __new__ of its own
 
 
 def _set_class(module: torch.nn.Module, inner: type, outer: type | None) -> None:

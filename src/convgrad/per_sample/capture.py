@@ -149,7 +149,7 @@ class Capture(ReachMode):
         rule = FUNCTIONS.get(func)
         if rule is not None:
             return self._layer(func, rule, args, kwargs)
-        if func in _RANDOM or func in _DROPOUTS and self._drops(args, kwargs):
+        if func in _RANDOM or (func in _DROPOUTS and self._drops(args, kwargs)):
             self.owner.random_call(getattr(func, "__name__", str(func)))
         return self._generic(func, args, kwargs)
 
@@ -208,15 +208,16 @@ class Capture(ReachMode):
         a sample meets a parameter, run by ``forward`` either way."""
         x = call.input
         operands = {k: Operand(t, s) for k, t in (("weight", call.weight), ("bias", call.bias))
-                    if (s := self._param(t))}
+                    if t is not None and (s := self._param(t))}
         if not operands:
             return self._conv_generic(call, forward)
         if self.kind(x) is not None:  # parameters and constants only: a transform
             out = forward(call)
             self._mark_outputs(out, frozenset().union(*(op.sources for op in operands.values())))
             return out
+        bias = call.bias
         detached = call.with_operands(call.weight.detach() if "weight" in operands else call.weight,
-                                      call.bias.detach() if "bias" in operands else call.bias)
+                                      bias.detach() if bias is not None and "bias" in operands else bias)
         out = forward(detached)
 
         def make(x: torch.Tensor, gy: torch.Tensor, scale: float, shapes: dict[str, torch.Size]) -> Layer:

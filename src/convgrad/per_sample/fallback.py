@@ -52,7 +52,7 @@ def rerun(module: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, .
         def forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
             return torch.func.functional_call(module, p, tuple(call_args), call_kwargs)  # type: ignore[no-any-return]
 
-        _, pull = torch.func.vjp(forward, primals)
+        pull = torch.func.vjp(forward, primals)[1]  # (output, vjp_fn)
         (grads,) = pull(gy)
         return grads  # type: ignore[no-any-return]
 

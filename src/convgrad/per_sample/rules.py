@@ -14,7 +14,8 @@ Contractions per sample n (P: positions, the dims between batch and features):
     rms_norm    gγ[n] [*D] = Σ_P gy[n] ⊙ x̂[n]
     batch_norm  gγ[n] [C] = Σ_space gy[n] ⊙ x̂[n];                    gβ[n] = Σ_space gy[n]   (running statistics
                 only: x̂ = (x - running_mean) / sqrt(running_var + eps) treats each sample alone)
-    embedding   gw[n] [V, D] = Σ_P onehot(idx[n, p]) ⊗ gy[n, p];      ghost |gw[n]|² = Σ_{p,q} [idx_p = idx_q] ⟨gy_p, gy_q⟩
+    embedding   gw[n] [V, D] = Σ_P onehot(idx[n, p]) ⊗ gy[n, p]
+                ghost: |gw[n]|² = Σ_{p,q} [idx_p = idx_q]·⟨gy_p, gy_q⟩ (P² terms)
 """
 
 from __future__ import annotations

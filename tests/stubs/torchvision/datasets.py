@@ -8,4 +8,5 @@ class Unavailable:
         raise RuntimeError("torchvision stand-in: datasets are not available")
 
 
-CIFAR10 = CIFAR100 = MNIST = KMNIST = FashionMNIST = ImageFolder = Places365 = INaturalist = QMNIST = ImageNet = Unavailable
+CIFAR10 = CIFAR100 = MNIST = KMNIST = FashionMNIST = ImageFolder = Unavailable
+Places365 = INaturalist = QMNIST = ImageNet = Unavailable
