@@ -244,3 +244,36 @@ def test_patch_of_a_model_with_nothing_to_patch_says_so() -> None:
     """Regression (issue 41, item 4): patch(nn.Linear(3, 3)) silently did nothing."""
     with pytest.warns(UserWarning, match="patch: Linear has no convolution module and no module with a forward"):
         cg.patch(nn.Linear(3, 3))
+
+
+def test_report_names_each_conv_call_and_what_auto_chose_from_the_store(tuned: None) -> None:
+    """cg.report (issue 38: patch says what it routed; issue 41: what auto chose, per layer): one row per conv call
+    of the forward, in order, each reached by convgrad once patched, with auto's choice as its store holds it."""
+    from convgrad.backends import auto
+
+    model = network().to(DT)
+    x = _inputs("network")[0]
+    plain = cg.report(model, x)
+    assert plain.reached == 0 and [c.backend for c in plain.calls] == ["torch"] * 7
+    cg.patch(model)
+    for _ in range(3):
+        model(x).square().sum().backward()
+    report = cg.report(model, x)
+    assert report.reached == 7 and [c.call for c in report.calls] == [
+        "conv2d in SameConv.forward", "conv2d in StdConv.forward", "conv2d in ScaledStdConv.forward",
+        "conv2d in BlurPool.forward", "Conv2d", "Conv2d", "Conv2d"]
+    assert [c.module for c in report.calls] == ["0", "2", "3", "4", "5.dw", "5.pw1", "5.pw2"]
+    specs = [cg.ConvSpec.from_shapes(*shapes) for shapes in (
+        ((3, 3, 13, 13), (4, 3, 3, 3), 2), ((3, 4, 6, 6), (4, 4, 3, 3), 1, 1), ((3, 4, 6, 6), (4, 4, 3, 3), 1, 1),
+        ((3, 4, 8, 8), (4, 1, 3, 3), 2, 0, 1, False, 0, 4), ((3, 4, 3, 3), (4, 1, 3, 3), 1, 1, 1, False, 0, 4),
+        ((3, 4, 3, 3), (8, 4, 1, 1)), ((3, 8, 3, 3), (4, 8, 1, 1)))]
+    # the first conv's input needs no gradient, the blur pool's kernel is a buffer
+    needs = ["grad_weight", "both", "both", "grad_input", "both", "both", "both"]
+    for row, spec, wanted in zip(report.calls, specs, needs, strict=True):
+        assert row.layer == spec.describe()
+        choices = [auto.chosen(spec, wanted, like) for like in (torch.empty(spec.output_shape, dtype=DT),
+                   torch.empty(spec.output_shape, dtype=DT).to(memory_format=torch.channels_last))]
+        choice = next(c for c in choices if c is not None)
+        assert row.gradients == (" / ".join(choice.parts) if choice.backend == "split" else choice.backend)
+        assert row.why.startswith(wanted)
+    assert "7 of 7 conv calls reached by convgrad" in str(report)

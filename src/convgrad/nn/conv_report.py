@@ -36,6 +36,8 @@ class ConvCallReport:
         call: how it was made: a conv module's class (``Conv2d``) or a function in a forward
             (``conv2d in BlurPool.forward``).
         layer: the layer, in torch's argument names (``ConvSpec.describe``).
+        summary: the layer in a few characters for the table: channels, kernel, the stride, padding, dilation and
+            groups that differ from 1 and 0, the input's spatial size (``8->16 k3x3 s2 p1 g2 @32x32``).
         backend: the backend it runs with; "torch" where convgrad did not reach it.
         forward: what computes its forward.
         gradients: what computes grad_input and grad_weight ("native", "fft", "fwdconv / gemm" where they differ,
@@ -46,6 +48,7 @@ class ConvCallReport:
     module: str
     call: str
     layer: str
+    summary: str
     backend: str
     forward: str
     gradients: str
@@ -68,7 +71,7 @@ class ModelReport:
 
     def __str__(self) -> str:
         head = ("module", "call", "layer", "backend", "forward", "gradients", "why")
-        rows = [head, *((c.module or "(model)", c.call, c.layer, c.backend, c.forward, c.gradients, c.why)
+        rows = [head, *((c.module or "(model)", c.call, c.summary, c.backend, c.forward, c.gradients, c.why)
                         for c in self.calls)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
@@ -99,6 +102,23 @@ class _Recorder(ReachMode):
         return func(*args, **kwargs)
 
 
+def _summary(spec: ConvSpec) -> str:
+    """``ConvSpec.describe`` in a few characters (``ConvCallReport.summary``)."""
+    def dims(values: tuple[int, ...]) -> str:
+        return str(values[0]) if len(set(values)) == 1 else "x".join(map(str, values))
+
+    pads = spec.padding
+    pad = (dims(tuple(lo for lo, _ in pads)) if all(lo == hi for lo, hi in pads)
+           else ",".join(f"{lo}/{hi}" for lo, hi in pads))
+    parts = [f"{'T ' if spec.transposed else ''}{spec.in_channels}->{spec.out_channels}",
+             "k" + "x".join(map(str, spec.kernel_size))]
+    parts += [f"{tag}{text}" for tag, text, plain in (("s", dims(spec.stride), "1"), ("p", pad, "0"),
+                                                      ("d", dims(spec.dilation), "1"),
+                                                      ("op", dims(spec.output_padding), "0"),
+                                                      ("g", str(spec.groups), "1")) if text != plain]
+    return " ".join(parts) + " @" + "x".join(map(str, spec.input_size))
+
+
 def _times(choice: auto.Choice) -> str:
     """The tuned times, fastest first: ``fft 1.20 ms, native 24.9 ms``."""
     ranked = sorted(choice.times.items(), key=lambda kv: kv[1])[:4]
@@ -125,7 +145,7 @@ def _choices(spec: ConvSpec, backend: str, everywhere: bool, like: torch.Tensor,
         return "native", "native" if wanted else "-", (f"{backend}'s cost model rules it out here: torch's own conv "
                                                       f"(patch(..., force=True) forces {backend})")
     if backend != "auto":
-        return "native", backend if wanted else "-", f"backend={backend!r} set on the module or by patch()"
+        return "native", backend if wanted else "-", "set by patch() or on the module"
     if auto.fixed():
         return "native", "native" if wanted else "-", "auto in fixed mode (CONVGRAD_AUTOTUNE=fixed): native"
     forward = auto.chosen(spec, "forward", like)
@@ -218,5 +238,5 @@ def report(model: nn.Module, *args: Any, **kwargs: Any) -> ModelReport:
             forward, gradients, why = _choices(spec, backend, everywhere, batched, call.input.requires_grad,
                                                call.weight.requires_grad)
             rows.append(ConvCallReport(names.get(module, "") if module is not None else "", call.fn,
-                                       spec.describe(), backend, forward, gradients, why))
+                                       spec.describe(), _summary(spec), backend, forward, gradients, why))
     return ModelReport(rows)
