@@ -70,13 +70,20 @@ class ModelReport:
         return json.dumps([asdict(c) for c in self.calls], indent=1)
 
     def __str__(self) -> str:
-        head = ("module", "call", "layer", "backend", "forward", "gradients", "why")
-        rows = [head, *((c.module or "(model)", c.call, c.summary, c.backend, c.forward, c.gradients, c.why)
-                        for c in self.calls)]
+        head = ["module", "call", "layer", "backend", "forward", "gradients", "why"]
+        rows = [[c.module or "(model)", c.call, c.summary, c.backend, c.forward, c.gradients, c.why]
+                for c in self.calls]
+        footer = [f"{self.reached} of {len(self.calls)} conv calls reached by convgrad"]
+        forwards = {r[4] for r in rows}
+        if len(forwards) == 1:  # one forward for every call (native, mostly): said once, under the table
+            footer.append(f"forward: {forwards.pop()} for every call")
+            head.pop(4)
+            for r in rows:
+                r.pop(4)
+        rows.insert(0, head)
         widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
-        total = len(self.calls)
-        return "\n".join([*lines, f"{self.reached} of {total} conv calls reached by convgrad"])
+        return "\n".join([*lines, *footer])
 
 
 class _Recorder(ReachMode):
@@ -145,7 +152,7 @@ def _choices(spec: ConvSpec, backend: str, everywhere: bool, like: torch.Tensor,
         return "native", "native" if wanted else "-", (f"{backend}'s cost model rules it out here: torch's own conv "
                                                       f"(patch(..., force=True) forces {backend})")
     if backend != "auto":
-        return "native", backend if wanted else "-", "set by patch() or on the module"
+        return "native", backend if wanted else "-", "the module's backend"
     if auto.fixed():
         return "native", "native" if wanted else "-", "auto in fixed mode (CONVGRAD_AUTOTUNE=fixed): native"
     forward = auto.chosen(spec, "forward", like)
