@@ -54,8 +54,9 @@ _RANDOM = {torch.bernoulli, torch.Tensor.bernoulli, torch.Tensor.bernoulli_, tor
            torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.exponential_,
            torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_, torch.multinomial,
            torch.poisson, F.gumbel_softmax, F.rrelu}
-# dropout functions: random only in training mode with p > 0 (their parameters: input, p, training, ...)
-_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
+# dropout functions -> their default `training`: random only in training mode with p > 0 (input, p, training, inplace)
+_DROPOUTS = {F.dropout: True, F.dropout1d: True, F.dropout2d: True, F.dropout3d: True, F.alpha_dropout: False,
+             F.feature_alpha_dropout: False}
 
 
 class Operand:
@@ -149,12 +150,15 @@ class Capture(ReachMode):
         rule = FUNCTIONS.get(func)
         if rule is not None:
             return self._layer(func, rule, args, kwargs)
-        if func in _RANDOM or (func in _DROPOUTS and self._drops(args, kwargs)):
+        if func in _RANDOM or (func in _DROPOUTS and self._drops(func, args, kwargs)):
             self.owner.random_call(getattr(func, "__name__", str(func)))
         return self._generic(func, args, kwargs)
 
-    def _drops(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        bound = bind_arguments("dropout", ("input", "p", "training", "inplace"), (0.5, True, False), args, kwargs)
+    @staticmethod
+    def _drops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a dropout call draws random numbers (training mode, p > 0)."""
+        bound = bind_arguments(func.__name__, ("input", "p", "training", "inplace"), (0.5, _DROPOUTS[func], False),
+                               args, kwargs)
         return bool(bound["training"]) and bound["p"] > 0
 
     def _generic(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
