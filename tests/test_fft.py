@@ -1,5 +1,5 @@
 """The fft backend: normwise float64 agreement on the grid and on large kernels, gradcheck/gradgradcheck, complex,
-half precision, chunking, its geometry in spec/ (ConvSpec.fft_chunks), and auto's pruning."""
+half precision, chunking, its geometry (fft.sizing, fft.chunking), and auto's pruning."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 
 import convgrad as cg
 from convgrad.backends import auto, fft, get_backend
-from convgrad.backends.fft import plans as fft_plans
+from convgrad.backends.fft import chunking, sizing
 from convgrad.backends.fft import transforms as fft_transforms
-from convgrad.spec import ConvSpec, smooth_size
-from convgrad.spec.formulation import fft_size
+from convgrad.backends.fft.sizing import fft_size, smooth_size
+from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import crop
 from helpers import Case, assert_gradchecks, grid_cases, make_tensors, random_cases, reference_forward, reference_grads
 
@@ -83,7 +83,7 @@ def test_fft_within_1e10_normwise_of_autograd_float64(case: Case) -> None:
 @pytest.mark.parametrize("case", LARGE[:6], ids=str)
 def test_fft_float32_within_its_normwise_bound(case: Case) -> None:
     """float32: normwise error of a few units of roundoff times log2 of the transform size (docs/numerics.md)."""
-    sizes = [d.size for d in case.spec().fft_phases]
+    sizes = [d.size for d in sizing.phases(case.spec())]
     _assert_normwise(case, torch.float32, 8 * 2.0**-24 * math.log2(math.prod(sizes)) * 4)
 
 
@@ -206,19 +206,20 @@ def test_fft_kernel_rows_split_evenly_within_the_kernel_budget() -> None:
     bins = 2 * (p.sizes[-1] // 2 + 1)
     a, _, b = p.group_channels
     assert (a, b) == (512, 2048)
-    budget = spec.fft_budget(fft_plans.CHUNK_MIN_REALS)
+    budget = chunking.chunk_budget(spec, chunking.CHUNK_MIN_REALS)
     assert 1 <= p.row_chunk < a and p.row_chunk * b * bins <= budget  # a slice within the chunk budget
     depthwise = ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256)
     assert fft.plan(depthwise, "grad_weight").row_chunk == 1  # A = 1: all rows, chunked as before
-    assert fft.plan(depthwise, "grad_weight").chunks == depthwise.fft_chunks(1, depthwise.fft_budget(1))
+    assert fft.plan(depthwise, "grad_weight").chunks == chunking.chunks(depthwise, 1,
+                                                                        chunking.chunk_budget(depthwise, 1))
 
 
 def test_fft_transform_length_drops_the_padding_rows_that_wrap_onto_zeros() -> None:
     """L >= U - min(lead, trail) = 43 for a 31x31 kernel padded 15 on 28 rows (U = 58): 5-smooth (45), even in the
     last dim (48); fft_size(U) when causal."""
-    dims = ConvSpec.from_shapes((1, 1, 28, 28), (1, 1, 31, 31), padding=15).fft_phases
+    dims = sizing.phases(ConvSpec.from_shapes((1, 1, 28, 28), (1, 1, 31, 31), padding=15))
     assert [(d.rows, d.size) for d in dims] == [(58, 45), (58, 48)]
-    (causal,) = ConvSpec.from_shapes((1, 1, 64), (1, 1, 64), padding=((63, 0),)).fft_phases
+    (causal,) = sizing.phases(ConvSpec.from_shapes((1, 1, 64), (1, 1, 64), padding=((63, 0),)))
     assert (causal.rows, causal.size) == (127, fft_size(127))
 
 
@@ -226,7 +227,7 @@ def test_fft_phases_reduce_to_stride_phases_with_dilation_1() -> None:
     for case in grid_cases() + random_cases(40, seed=7):
         spec = case.spec()
         if all(d == 1 for d in spec.dilation):
-            assert tuple(f[1:4] for f in spec.fft_phases) == spec.stride_phases, str(case)
+            assert tuple(f[1:4] for f in sizing.phases(spec)) == spec.stride_phases, str(case)
 
 
 def smooth(m: int) -> bool:
@@ -248,7 +249,7 @@ def test_fft_size_is_the_smallest_even_5_smooth_not_below_n() -> None:
     for n in range(1, 400):
         want = next(m for m in range(n, 4 * n) if smooth(m) and (m % 2 == 0 or m == 1))
         assert fft_size(n) == want, n
-    assert all(case.spec().fft_phases[-1].size % 2 == 0 or case.spec().fft_phases[-1].size == 1
+    assert all(sizing.phases(case.spec())[-1].size % 2 == 0 or sizing.phases(case.spec())[-1].size == 1
                for case in grid_cases())
 
 

@@ -260,7 +260,7 @@ def shares_spectra(pi: FftPlan, pw: FftPlan) -> bool:
     They can with the same sample chunks and transform sizes, and each group's kernel rows one chunk. A dense layer
     sliced by kernel rows (``FftPlan.row_chunk`` < A) cannot: x's spectra summed over the row slices for grad_input,
     the weight's over the sample chunks for grad_weight, one of them would be held whole beside the other's slices.
-    The pass runs ``pi``'s chunks: ``pw``'s may hold fewer groups (``plans.WEIGHT_SCRATCH_RATIO``, for grad_weight
+    The pass runs ``pi``'s chunks: ``pw``'s may hold fewer groups (``chunking.WEIGHT_SCRATCH_RATIO``, for grad_weight
     alone, whose native peak is a scratch), whereas native's backward of both holds grad_input's result too.
 
     Args:

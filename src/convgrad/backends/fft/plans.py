@@ -1,7 +1,7 @@
 """The fft backend's plans: from a ``ConvSpec`` (shapes only) the steps of one result, which ``explain`` shows.
 
 A plan names its kind (KINDS: which side is computed from which), the polyphase split of every dim
-(``ConvSpec.fft_phases``), the chunks (groups, samples, and the kernel rows of one group a dense layer's spectra
+(``sizing.phases``), the chunks (groups, samples, and the kernel rows of one group a dense layer's spectra
 are split into) and its steps: pad, phases, taps, transform, product, inverse, crop.
 """
 
@@ -10,25 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from convgrad.backends.fft import chunking, sizing
+from convgrad.backends.fft.sizing import FftDim
+from convgrad.backends.native import weight_scratch
 from convgrad.errors import ConvgradValueError
-from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows
-from convgrad.spec.chunks import fft_kernel_rows
+from convgrad.spec import ConvSpec, Pair, pad_to_rows
 
-__all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_SCRATCH_RATIO", "FftPlan", "FftStep", "plan"]
+__all__ = ["KINDS", "FftPlan", "FftStep", "plan"]
 
 Shape = tuple[int, ...]
 KINDS = ("y_from_x", "x_from_y", "w_from_xy")
-# One chunk's spectra hold about ConvSpec.fft_budget(CHUNK_MIN_REALS) reals: a quarter of the layer's x and y, the
-# smaller of them on depthwise layers, at least this many (each call's peak under 1.8x native's: fft_memory.md).
-CHUNK_MIN_REALS = 2**18
-# grad_weight's native peak is a scratch that does not grow with the batch (``ConvSpec.native_weight_scratch``, a
-# lower bound: one channel's taps over one plane of y and 4 weights), far under a quarter of x and y on depthwise
-# layers of small kernels and large planes; so a grad_weight chunk also holds, counted as the profiler saw it held
-# (``ConvSpec.fft_weight_chunks``: 4 spectra per depthwise sample and group), at most this many times that scratch
-# (issue 28's 2x), or CHUNK_MIN_REALS on small layers (few chunks, both gradients in one pass). fft_memory.md:
-# ConvNeXt 7x7 1 group of 16 samples a chunk (1.33x; 2 went 2.64x), 3D UX-Net 2 groups of 54^3 bins (1.49x; 3
-# model 2.29x; 1 ran 1.1x slower in the 64-weight rule's timing), no other layer's chunks change
-WEIGHT_SCRATCH_RATIO = 2
 
 
 @dataclass(frozen=True)
@@ -59,7 +50,7 @@ class FftPlan:
     dims: tuple[FftDim, ...]
     chunks: tuple[int, int]  # (groups, samples) per chunk
     steps: tuple[FftStep, ...]
-    phase_count: int  # P, the live phases: spec.fft_phase_count, held because execute reads it per chunk
+    phase_count: int  # P, the live phases: sizing.phase_count, held because execute reads it per chunk
     method: str = "fft"
     rows: int = 0  # kernel rows (y channels of one group) whose spectra are held at once; 0: all of them
 
@@ -102,7 +93,7 @@ class FftPlan:
         a, _, b = self.group_channels
         n, g = self.spec.batch, self.spec.groups
         head = ["import torch", "from convgrad.backends.fft import transforms as tf",
-                "from convgrad.spec import FftDim", f"dims = {self.dims!r}",
+                "from convgrad.backends.fft.sizing import FftDim", f"dims = {self.dims!r}",
                 f"sizes, stride, n, g, A, B = {self.sizes}, {self.spec.stride}, {n}, {g}, {a}, {b}",
                 f"bins = {(*self.sizes[:-1], self.sizes[-1] // 2 + 1)}"]
         return head + [line for step in self.steps for line in step.code()]
@@ -114,9 +105,9 @@ class FftPlan:
 def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     """The plan of ``gradient`` (grad_input, grad_weight, or output: the convolution itself) for ``spec``.
 
-    Chunks (``ConvSpec.fft_chunks``) hold about ``spec.fft_budget(CHUNK_MIN_REALS)`` reals of spectra;
-    grad_weight's also no more than ``WEIGHT_SCRATCH_RATIO`` times native's scratch, at least ``CHUNK_MIN_REALS``
-    (``ConvSpec.fft_weight_chunks``).
+    Chunks (``chunking.chunks``) hold about ``chunking.chunk_budget(spec, chunking.CHUNK_MIN_REALS)`` reals of
+    spectra; grad_weight's also no more than ``chunking.WEIGHT_SCRATCH_RATIO`` times native's scratch
+    (``native.weight_scratch``), at least ``chunking.CHUNK_MIN_REALS`` (``chunking.weight_chunks``).
 
     Raises:
         ValueError: an unknown gradient.
@@ -134,17 +125,18 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
              "output": "x_from_y" if spec.transposed else "y_from_x"}
     if gradient not in kinds:
         raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
-    kind, dims = kinds[gradient], spec.fft_phases
-    p = spec.fft_phase_count
-    budget = spec.fft_budget(CHUNK_MIN_REALS)
-    chunks = spec.fft_chunks(p, budget)
+    kind, dims = kinds[gradient], sizing.phases(spec)
+    p = sizing.phase_count(spec)
+    least = chunking.CHUNK_MIN_REALS
+    budget = chunking.chunk_budget(spec, least)
+    chunks = chunking.chunks(spec, p, budget)
     if gradient == "grad_weight":  # never more groups or samples than the side's budget gives
-        most = spec.fft_weight_chunks(p, max(CHUNK_MIN_REALS, WEIGHT_SCRATCH_RATIO * spec.native_weight_scratch))
+        most = chunking.weight_chunks(spec, p, max(least, chunking.WEIGHT_SCRATCH_RATIO * weight_scratch(spec)))
         chunks = (min(chunks[0], most[0]), min(chunks[1], most[1]))
     a, b = spec.y_group_channels, spec.x_group_channels * p
     # a group's kernel spectra over the chunk budget (C_y/g (C_x/g) P F complex) are held a slice of rows at a time,
     # so that fft's peak stays near native's (issue 28's memory target)
-    rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
+    rows, samples = chunking.kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
     if rows < a:
         chunks = (1, samples)
     bare = FftPlan(gradient, spec, kind, dims, chunks, (), p, rows=rows)

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from convgrad.spec import FftDim, Pair, pad_then_crop, pad_to_rows
+from convgrad.backends.fft.sizing import FftDim
+from convgrad.spec import Pair, pad_then_crop, pad_to_rows
 from convgrad.tensor_ops import crop, pad, sliced
 
 __all__ = ["PRUNE_FILL", "PRUNE_MIN_POINTS", "SMALL_PRODUCT", "forward_transform", "from_phases", "inverse_transform",
