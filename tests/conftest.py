@@ -77,10 +77,12 @@ def fft_plan_constants(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[...
         for name, value in values.items():
             monkeypatch.setattr(chunking, name, value)
         plans.plan.cache_clear()
+        plans.backward_plan.cache_clear()
 
     yield set_constants
     monkeypatch.undo()
     plans.plan.cache_clear()
+    plans.backward_plan.cache_clear()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

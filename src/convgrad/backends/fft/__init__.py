@@ -24,8 +24,10 @@ differentiable (pad, index_select, rfftn, products, irfftn, slicing), so gradien
 Half precision is computed in float32.
 
 The package: ``sizing`` and ``chunking`` (integers only, no torch: the transform geometry over a ``ConvSpec`` and the
-chunks), ``plans`` (shapes only: the steps), ``transforms`` (each step on tensors), ``execute`` (chunks), ``cost``
-(auto's cost model and check's error bound), and here the registered backend.
+chunks), ``program`` (a plan as data: steps, loops, their text and code), ``plans`` (shapes only: each result's
+steps and loops, the fused backward's too), ``ops`` (each step's operation on tensors and the sentence it is),
+``transforms`` (the transforms, phases and per-bin products the ops call), ``execute`` (the one interpreter),
+``cost`` (auto's cost model and check's error bound), and here the registered backend.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ import torch
 
 from convgrad.backends import Backend, register
 from convgrad.backends.fft.cost import BOUND_UNITS, MIN_TAPS, estimate_flops, normwise_bound, worth_trying
-from convgrad.backends.fft.execute import execute, execute_backward, shares_spectra
-from convgrad.backends.fft.plans import FftPlan, FftStep, plan
+from convgrad.backends.fft.execute import execute, execute_backward
+from convgrad.backends.fft.plans import backward_plan, plan, shares_spectra
+from convgrad.backends.fft.program import FftPlan, FftStep
 from convgrad.backends.planning import planned
 from convgrad.spec import ConvSpec
 
-__all__ = ["BOUND_UNITS", "MIN_TAPS", "FftBackend", "FftPlan", "FftStep", "estimate_flops", "execute",
+__all__ = ["BOUND_UNITS", "MIN_TAPS", "FftBackend", "FftPlan", "FftStep", "backward_plan", "estimate_flops", "execute",
            "execute_backward", "normwise_bound", "plan", "shares_spectra", "worth_trying"]
 
 
