@@ -122,7 +122,8 @@ class _Steps:
 
     def __init__(self, p: FftPlan) -> None:
         spec = p.spec
-        self.p, self.steps = p, list[FftStep]()
+        self.p = p
+        self.steps: list[FftStep] = []
         self.a, self.b0, self.b = p.group_channels
         self.g = min(p.chunks[0], spec.groups)  # groups, samples and kernel rows of the first chunk
         self.n = min(p.chunks[1], spec.batch)

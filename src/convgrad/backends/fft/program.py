@@ -199,11 +199,14 @@ def _liveness(p: FftPlan) -> tuple[tuple[tuple[str, ...], ...], dict[tuple[int, 
     drops: list[list[str]] = [[] for _ in steps]
     loop_drops: dict[tuple[int, int], list[str]] = {}
     registers = dict.fromkeys(r for s in steps for r in (*s.reads, s.writes) if r not in keep)
-    for name in registers:
-        touch = [i for i, s in enumerate(steps) if name in s.reads or s.writes == name]
-        scope = min(steps[i].depth for i in touch)
-        last = max((i for i in touch if name in steps[i].reads), default=None)
-        if last is None:
+    for name in registers:  # plain loops: Dynamo traces this where torch.compile builds a plan (no max(default=))
+        scope, last = len(p.loops), -1
+        for i, s in enumerate(steps):
+            if name in s.reads or s.writes == name:
+                scope = min(scope, s.depth)
+            if name in s.reads:
+                last = i
+        if last < 0:
             continue
         if steps[last].depth == scope:
             drops[last].append(name)
