@@ -476,3 +476,25 @@ def test_every_step_writes_the_shape_it_declares() -> None:
                     assert seen[id(step)] == step.shape, (p.gradient, step.name, step.op, seen[id(step)], step.shape)
                     checked += 1
     assert checked > 60
+
+
+# convs whose window never reaches x's rows in one dim (a row of x behind more padding than the kernel's reach):
+# grad_input is zeros of x's shape, grad_weight zeros, the forward reads zeros only
+PADDING_ONLY = [Case((2, 2, 1), (2, 2, 2), stride=2, dilation=3, padding=((6, 0),), name="1d-s2-d3-pad6"),
+                Case((2, 2, 1), (2, 2, 6), stride=3, padding=((9, 1),), name="1d-s3-k6-pad9"),
+                Case((1, 2, 3, 1), (2, 2, 3, 4), stride=2, padding=((1, 1), (6, 0)), name="2d-second-dim-pad6"),
+                Case((2, 2, 2), (2, 2, 2), stride=2, dilation=3, padding=((6, 0),), transposed=True, output_padding=1,
+                     name="T-1d")]
+
+
+@pytest.mark.parametrize("case", PADDING_ONLY, ids=lambda c: c.name)
+def test_fft_of_a_conv_that_reads_only_padding_has_the_input_shape(case: Case) -> None:
+    """Where the transform length is shorter than the zero rows before x's data (the conv reads none of x's rows),
+    each phase's zero rows are at most the transform length: the gradients keep x's shape. Before, the split of the
+    pads gave a negative number of rows per phase and grad_input came back 3 rows long for 1 row of x."""
+    spec = case.spec()
+    dims = sizing.phases(spec)
+    assert all(0 <= d.whole_rows(s) for d, s in zip(dims, spec.stride))
+    _assert_normwise(case)
+    t = make_tensors(case)
+    assert get_backend("fft").forward(spec, t["input"], t["weight"]).shape == spec.output_shape
