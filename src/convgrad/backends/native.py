@@ -98,9 +98,9 @@ def zero_padding_only_taps(grad_weight: torch.Tensor, spec: ConvSpec) -> torch.T
 
 def weight_scratch(spec: ConvSpec) -> int:
     """Reals of scratch that native's grad_weight holds at least on the CPU: one channel's taps over one plane of y
-    (the last two dims), ``T * prod(y_size[-2:])``, and 4 weights (oneDNN's GEMM grad_weight; the torch profiler on
-    the large suite's depthwise layers: ConvNeXt's 7x7, RepLKNet's, SLaK's and 3D UX-Net's scratch is exactly this
-    plus 64 reals, UniRepLKNet's twice it). It does not grow with the batch.
+    (the last two dims), ``T * prod(y_size[-2:])``, and 4 weights (oneDNN's GEMM grad_weight, as the torch profiler
+    saw it on the large suite's depthwise layers: benchmarks/results/chunk_budgets.md). It does not grow with the
+    batch; the fft backend sizes its grad_weight chunks against it.
 
     Examples:
         >>> weight_scratch(ConvSpec.from_shapes((16, 96, 56, 56), (96, 1, 7, 7), padding=3, groups=96))

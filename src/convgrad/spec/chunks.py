@@ -1,19 +1,18 @@
 """Chunk sizing: how many samples (or channels, or groups) one chunk of a backward holds. Integers only.
 
-Two byte budgets, because they bound different working sets:
-
-* ``CHUNK_BYTES`` (4 MiB): what one chunk streams through a kernel call, the gemm backend's columns and the
-  chunked backend's input and grad_output; chosen as measured best on the CPU (gemm's and chunked's module
-  docstrings).
-* ``PHASE_CHUNK_BYTES`` (16 MiB): the fwdconv phases' results, which must still be in cache when they are
-  interleaved into the big side: within the last-level cache of current server CPUs.
+Two byte budgets, because they bound different working sets; the measurements behind them are in
+``benchmarks/results/chunk_budgets.md``.
 """
 
 from __future__ import annotations
 
 __all__ = ["CHUNK_BYTES", "PHASE_CHUNK_BYTES", "chunk_ranges", "equal_chunk"]
 
+# What one chunk streams through a kernel call (gemm's columns, the chunked backend's input and grad_output): a few
+# MiB stays in the caches, where a whole batch's rows slow oneDNN's backward down (chunk_budgets.md)
 CHUNK_BYTES = 4 * 2**20
+# fwdconv's memory-bound phases, whose results must still be in cache when interleaved into the big side: within the
+# last-level cache of current server CPUs (chunk_budgets.md)
 PHASE_CHUNK_BYTES = 16 * 2**20
 
 

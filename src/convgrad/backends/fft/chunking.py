@@ -17,16 +17,13 @@ from convgrad.spec.chunks import equal_chunk
 __all__ = ["CHUNK_MIN_REALS", "WEIGHT_SCRATCH_RATIO", "budget_reals", "chunk_budget", "chunks", "fit_chunks",
            "fit_per_sample_chunks", "kernel_rows", "per_sample_chunks", "weight_chunks"]
 
-# One chunk's spectra hold about chunk_budget(spec, CHUNK_MIN_REALS) reals: a quarter of the layer's x and y, the
-# smaller of them on depthwise layers, at least this many (each call's peak under 1.8x native's: fft_memory.md).
+# The measurements behind the budgets: benchmarks/results/chunk_budgets.md, and the peaks they give:
+# benchmarks/results/fft_memory.md (`python benchmarks/large_kernels.py --memory-only`).
+# The least a chunk's spectra hold: tiny layers are not worth more chunks, and each call's peak stays under 1.8x
+# native's
 CHUNK_MIN_REALS = 2**18
-# grad_weight's native peak is a scratch that does not grow with the batch (``native.weight_scratch``, a
-# lower bound: one channel's taps over one plane of y and 4 weights), far under a quarter of x and y on depthwise
-# layers of small kernels and large planes; so a grad_weight chunk also holds, counted as the profiler saw it held
-# (``weight_chunks``: 4 spectra per depthwise sample and group), at most this many times that scratch
-# (issue 28's 2x), or CHUNK_MIN_REALS on small layers (few chunks, both gradients in one pass). fft_memory.md:
-# ConvNeXt 7x7 1 group of 16 samples a chunk (1.33x; 2 went 2.64x), 3D UX-Net 2 groups of 54^3 bins (1.49x; 3
-# model 2.29x; 1 ran 1.1x slower in the 64-weight rule's timing), no other layer's chunks change
+# grad_weight's native peak is a scratch that does not grow with the batch (``native.weight_scratch``), far under a
+# quarter of x and y on depthwise layers: a grad_weight chunk holds at most this many times it (issue 28's 2x)
 WEIGHT_SCRATCH_RATIO = 2
 
 
@@ -36,11 +33,9 @@ def budget_reals(x_elements: int, y_elements: int, rows: int, least: int) -> int
 
     fft's peak is its result plus about 8 bytes per budget real (float32: a chunk's spectra and their product or
     inverse), native's about twice its result (forward) or more, so the smaller side keeps a depthwise layer's calls
-    within 1.7x native's (UniRepLKNet 13x13's forward: 1.68x; benchmarks/results/fft_memory.md). With several rows
-    a group's kernel spectra are held a slice at a time (``kernel_rows``), up to a budget beside the samples'
-    spectra: a quarter of x and y (wav2vec 2.0's forward at the smaller side: 1.87x). Where x and y differ (SincNet's
-    y is 79x its x) a quarter of both is the larger. Twice the groups a chunk ran RepLKNet's, SLaK's, UniRepLKNet's
-    and Hyena's fft calls 1.05-1.29x faster (2 threads, quiet, interleaved with the quarter); 3D UX-Net's no faster.
+    near native's peak; with several rows a group's kernel spectra are held a slice at a time (``kernel_rows``) beside
+    the samples' spectra, within a quarter of x and y; where x and y differ much a quarter of both is the larger
+    (the peaks and timings: benchmarks/results/chunk_budgets.md).
 
     Args:
         x_elements: elements of the big side x, whole batch (int, >= 0).
@@ -113,7 +108,7 @@ def kernel_rows(sizes: tuple[int, ...], a: int, b: int, batch: int, budget: int)
     y's rows in the slice, ``(rows + b)`` per frequency (at least 1): x's spectra are transformed again for every
     slice unless the batch is one chunk. A grouped or dense layer thus holds a slice of a group's kernel spectra at
     a time, never more than one chunk's budget: the weight's own size is no bound, since a call's peak does not
-    count the weight it is given (wav2vec2.posconv's forward: a group's spectra 1.7x its output, the weight 6x).
+    count the weight it is given (wav2vec2.posconv: benchmarks/results/chunk_budgets.md).
 
     Examples:
         >>> kernel_rows((10,), a=8, b=4, batch=3, budget=400)  # 8 * 4 * 12 = 384 fit
@@ -170,8 +165,8 @@ def chunks(spec: ConvSpec, phase_count: int, budget: int) -> tuple[int, int]:
 def weight_chunks(spec: ConvSpec, phase_count: int, budget: int) -> tuple[int, int]:
     """(groups, samples) per grad_weight chunk of the FFT backend, so that what the chunk holds at once is about
     ``budget`` reals: per group and sample 2((C_x/g)P + C_y/g) complex bins, x's and y's spectra, y's conjugate
-    resolved and their product before the sum over samples (the torch profiler on depthwise layers: 4 spectra
-    of a sample and group at the peak, the sum comes after; ``benchmarks/large_kernels.py``'s ``peak_bytes``).
+    resolved and their product before the sum over samples (what the torch profiler saw held at the peak:
+    benchmarks/results/chunk_budgets.md).
 
     Args:
         spec: the convolution.

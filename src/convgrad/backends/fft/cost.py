@@ -11,8 +11,8 @@ from convgrad.spec import ConvSpec
 
 __all__ = ["BOUND_UNITS", "MIN_TAPS", "estimate_flops", "normwise_bound", "worth_trying"]
 
-# Below this many taps (a 7x7 kernel has 49) the transforms cost more than the direct sums they replace, on any
-# layer: auto does not try fft there (a ResNet or a ConvNeXt tunes as before).
+# auto does not try fft below this many taps (a 7x7 kernel has 49): on the large suite's 3x3 and 7x7 layers another
+# backend beat it (benchmarks/results/large_kernels.md, `python benchmarks/large_kernels.py --threads 2`)
 MIN_TAPS = 64
 
 

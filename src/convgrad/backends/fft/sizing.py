@@ -98,8 +98,8 @@ def smooth_size(n: int) -> int:
 def fft_size(n: int) -> int:
     """The FFT backend's length for at least n points along the last dim (the one a real transform halves): the
     smallest even 5-smooth integer >= n (1 for n <= 1). A real FFT of odd length costs about twice as much per
-    point as one of an even length near it (pocketfft: 45 points 9.0 ns a point, 48 5.2; 81 9.5, 90 5.3;
-    benchmarks/results/fft_sizes.md); the other dims' complex transforms do not halve, and keep ``smooth_size``.
+    point as one of an even length near it (benchmarks/results/fft_sizes.md, ``python benchmarks/fft_sizes.py
+    --threads 1``); the other dims' complex transforms do not halve, and keep ``smooth_size``.
 
     Examples:
         >>> [fft_size(n) for n in (1, 2, 7, 20, 45, 81, 1025)]

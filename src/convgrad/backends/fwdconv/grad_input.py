@@ -40,20 +40,16 @@ from convgrad.tensor_ops import pad, sliced
 __all__ = ["CHUNK_MAX_CHANNELS", "INPUT_METHODS", "SUBPIXEL_MAX_CHANNELS", "TAPS_MAX_PHASE_TAPS", "DepthToSpace",
            "SubpixelKernel", "input_method", "plan_forward", "plan_input_grad"]
 
-# Measured with benchmarks/fwdconv_methods.py (2-core AVX-512 CPU, oneDNN, float32, 1 and 2 threads; ratios to
-# native): sub-pixel's single conv wins when the layer has few input channels (ResNet stem: 3, wav2vec2's first
-# conv: 1; 0.37-0.63 vs polyphase 1.3-2.0); separate phases win for wide layers (ResNet 3x3/2: 0.45-1.09 vs
-# 0.64-1.4; 1x1/2: 0.25-0.58 vs 0.9-1.8), whose fused kernel multiplies many zero taps, and for depthwise ones
-# (0.43-1.56 vs 0.61-2.45), whose fused kernel has a channel multiplier that oneDNN runs slowly.
+# The measurements behind these thresholds: benchmarks/results/fwdconv_rules.md
+# (`python benchmarks/fwdconv_methods.py`).
+# Sub-pixel's single conv wins for few input channels; for wide or depthwise layers its fused kernel multiplies many
+# zero taps (or has a channel multiplier oneDNN runs slowly), and separate phases win
 SUBPIXEL_MAX_CHANNELS = 16
 # Phases reading at most this many channels of y per group are memory-bound, and are computed a few samples at a
-# time on the CPU (contractions.CHUNK_BYTES). Measured grad_input, whole batch -> chunks: depthwise 3x3/2 9.5-11.8
-# -> 5.7-6.3 ms, depthwise 1d k3/2 26.9 -> 19.0 ms, 8 channels per group 21.5 -> 20.2 ms; but 16 per group
-# 10.8 -> 13.0 ms and ResNet-50's 3x3/2 14.8 -> 17.9 ms, where the conv, not the memory, is the cost.
+# time on the CPU (contractions.CHUNK_BYTES); with more, the conv is the cost and chunks only slow it
 CHUNK_MAX_CHANNELS = 8
-# Depthwise phases with at most this many taps are summed tap by tap (contractions.DepthwiseTaps), not by a conv call.
-# Measured, grad_input of 16 samples, paired rounds, taps / convs: MobileNetV2's depthwise 3x3/2 (phases of 1, 2, 2
-# and 4 taps) 4.2 / 5.8 ms (native 3.8 ms); depthwise 1d k3/2 (512 channels, 4000 long) 9.8 / 12.7 ms (native 16.7).
+# Depthwise phases with at most this many taps are summed tap by tap (contractions.DepthwiseTaps): a conv call
+# reorders y into oneDNN's blocked layout and back, which costs more than the few taps
 TAPS_MAX_PHASE_TAPS = 4
 INPUT_METHODS = ("zero_insert", "polyphase", "subpixel")
 

@@ -78,17 +78,11 @@ def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
 def weight_method(spec: ConvSpec) -> tuple[str, str]:
     """The grad_weight formulation for this spec and why.
 
-    Rules from `benchmarks/fwdconv_methods.py` (oneDNN, float32, 2 threads, quiet, ratios to native;
-    ranges over runs with the two malloc settings of `convgrad bench`): taps 1.0-1.25 for 1x1 convs and
-    1.1 for the U-Net 2x2/2 up-conv, where kernel is 1.3-4.1 and 2.3; per_sample for at most 3 input
-    channels per group (depthwise 0.74-1.14 vs kernel 4.2-5.7, the RGB stem 1.7 vs 2.4-2.7, wav2vec2's
-    C_in = 1 conv 1.15 vs 2.0-2.2) and for batches of 1-2 (wav2vec2 0.91 vs 1.2, R3D 1.0 vs 1.3); blocks
-    for the DeepLab ASPP rate 12 (1.9 vs 3.7-3.9); kernel 0.64-1.6 elsewhere (ResNeXt's 4 channels per
-    group: 0.64-0.73 vs per_sample 1.4-1.5). phases for strided 3d depthwise convs (2 threads, float32, ms, paired
-    in one process, phases / per_sample / native): X3D-M's 3x3x3 stride (1, 2, 2) at batch 2 13.3 / 31 / 21 and at
-    batch 8 51-74 / 134 / 81, a 5x5x5 one 6.6-8.3 / 31-48 / 23, stride (2, 2, 2) 22.6 / 26 / 11.6; where oneDNN runs
-    the dilated per-sample kernel slowly. In 2d it loses (MobileNetV2 3x3/2: 8.8-9.6 / 3.8-4.2 / 3.8), and for the
-    3-channel 3d stem (62-65 / 43-46 / 17).
+    Rules from ``benchmarks/fwdconv_methods.py`` (oneDNN, float32, 2 threads; the figures are in
+    benchmarks/results/fwdconv_rules.md): taps for 1x1 convs and up-convs whose windows do not overlap; phases for
+    strided 3d depthwise convs, where oneDNN runs the dilated per-sample kernel slowly (in 2d and for the 3-channel 3d
+    stem it loses); per_sample for at most ``PER_SAMPLE_MAX_CHANNELS`` input channels per group and for batches of
+    at most ``PER_SAMPLE_MAX_BATCH``; blocks for dilated stride-1 convs (DeepLab's ASPP); kernel elsewhere.
     """
     if spec.taps <= math.prod(spec.stride):
         return "taps", "tap windows do not overlap (e.g. 1x1, or k <= s): im2col by taps copies at most x; a matmul"
@@ -104,16 +98,16 @@ def weight_method(spec: ConvSpec) -> tuple[str, str]:
     return "kernel", "grad_output as the kernel, batch folded into channels"
 
 
-PER_SAMPLE_MAX_CHANNELS = 3  # input channels per group (RGB: 3; ResNeXt's 4 per group run faster as "kernel")
+# per_sample's convs per sample beat one conv with grad_output as the kernel for few input channels per group (RGB:
+# 3; ResNeXt's 4 per group run faster as "kernel") and for tiny batches (fwdconv_rules.md)
+PER_SAMPLE_MAX_CHANNELS = 3
 PER_SAMPLE_MAX_BATCH = 2
 
 
-# torch's CPU convs run oneDNN for float32 and bfloat16 only; other dtypes (float64, float16, complex) run an
-# im2col + GEMM forward conv, for which grad_output as a huge kernel is 2-6x slower than folding the taps into the
-# batch ourselves (float64, 1 thread: ResNet 3x3 at 56 2.5x -> 1.05x native, DCGAN 3.4x -> 2.1x). Grouped convs
-# too (float64, 2 threads): MobileNetV2 depthwise 3x3 per_sample 3.55x -> taps 2.43x, depthwise 3x3/2 2.27x ->
-# 2.03x, ResNeXt g32 kernel 3.02x -> 2.25x.
-TAPS_MAX_ELEMENTS = 2**25  # the folded windows, N*C_x*T*P; beyond this the "kernel" plan needs far less memory
+# Off oneDNN (float64, float16, complex on the CPU) torch's forward conv is im2col + GEMM, for which grad_output as a
+# huge kernel is slower than folding the taps into the batch ourselves (fwdconv_rules.md); up to this many folded
+# elements (N*C_x*T*P), beyond which the "kernel" plan needs far less memory
+TAPS_MAX_ELEMENTS = 2**25
 
 
 def im2col_weight_method(spec: ConvSpec, like: torch.Tensor) -> str | None:
