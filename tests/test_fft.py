@@ -16,7 +16,6 @@ from convgrad.backends import auto, fft, get_backend
 from convgrad.backends.fft import chunking, sizing
 from convgrad.backends.fft import transforms as fft_transforms
 from convgrad.backends.fft.execute import run
-from convgrad.backends.fft.sizing import fft_size, smooth_size
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import crop
 from helpers import Case, assert_gradchecks, grid_cases, make_tensors, random_cases, reference_forward, reference_grads
@@ -214,45 +213,6 @@ def test_fft_kernel_rows_split_evenly_within_the_kernel_budget() -> None:
     assert fft.plan(depthwise, "grad_weight").row_chunk == 1  # A = 1: all rows, chunked as before
     assert fft.plan(depthwise, "grad_weight").chunks == chunking.chunks(depthwise, 1,
                                                                         chunking.chunk_budget(depthwise, 1))
-
-
-def test_fft_transform_length_drops_the_padding_rows_that_wrap_onto_zeros() -> None:
-    """L >= U - min(lead, trail) = 43 for a 31x31 kernel padded 15 on 28 rows (U = 58): 5-smooth (45), even in the
-    last dim (48); fft_size(U) when causal."""
-    dims = sizing.phases(ConvSpec.from_shapes((1, 1, 28, 28), (1, 1, 31, 31), padding=15))
-    assert [(d.rows, d.size) for d in dims] == [(58, 45), (58, 48)]
-    (causal,) = sizing.phases(ConvSpec.from_shapes((1, 1, 64), (1, 1, 64), padding=((63, 0),)))
-    assert (causal.rows, causal.size) == (127, fft_size(127))
-
-
-def test_fft_phases_reduce_to_stride_phases_with_dilation_1() -> None:
-    for case in grid_cases() + random_cases(40, seed=7):
-        spec = case.spec()
-        if all(d == 1 for d in spec.dilation):
-            assert tuple(f[1:4] for f in sizing.phases(spec)) == spec.stride_phases, str(case)
-
-
-def smooth(m: int) -> bool:
-    """Whether m has no prime factor above 5 (written out here, independent of spec's own rule)."""
-    for p in (2, 3, 5):
-        while m % p == 0:
-            m //= p
-    return m == 1
-
-
-def test_smooth_size_is_the_smallest_5_smooth_not_below_n() -> None:
-    for n in range(1, 400):
-        want = next(m for m in range(n, 4 * n) if smooth(m))
-        assert smooth_size(n) == want, n
-
-
-def test_fft_size_is_the_smallest_even_5_smooth_not_below_n() -> None:
-    """Odd real-transform lengths cost twice as much per point (benchmarks/results/fft_sizes.md): 45 -> 48, 81 -> 90."""
-    for n in range(1, 400):
-        want = next(m for m in range(n, 4 * n) if smooth(m) and (m % 2 == 0 or m == 1))
-        assert fft_size(n) == want, n
-    assert all(sizing.phases(case.spec())[-1].size % 2 == 0 or sizing.phases(case.spec())[-1].size == 1
-               for case in grid_cases())
 
 
 def test_fft_plan_lists_its_steps_in_order() -> None:

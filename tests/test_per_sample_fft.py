@@ -82,20 +82,6 @@ def test_every_chunk_of_samples_groups_and_channels_lands_in_its_place(case: Cas
     assert calls  # the chunk sizes were taken from the spec
 
 
-def test_chunk_sizes_fit_the_budget() -> None:
-    """One chunk's reals, from the spec's own counts, stay within the budget wherever one (sample, group, channel)
-    fits; channels are cut only when a whole (sample, group) does not fit."""
-    spectra, channel = 40, 30
-    for budget in (70, 100, 500, 5000, 50_000):
-        for batch, groups, channels in ((1, 1, 1), (4, 8, 3), (7, 5, 16), (32, 64, 1)):
-            g, n, a = chunking.fit_per_sample_chunks(spectra, channel, batch, groups, channels, budget)
-            assert 1 <= g <= groups and 1 <= n <= batch and 1 <= a <= channels
-            held = g * n * (spectra + a * channel)
-            assert held <= budget, (budget, batch, groups, channels, (g, n, a))
-            assert a == channels or (g, n) == (1, 1)
-    assert chunking.fit_per_sample_chunks(40, 30, 4, 8, 3, 100) == (1, 1, 2)  # 40 + 2 * 30 <= 100 < 40 + 3 * 30
-
-
 def test_float32_and_half_precision_accumulate_in_float32() -> None:
     case = GRID[1]
     t = make_tensors(case)

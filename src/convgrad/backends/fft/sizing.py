@@ -36,8 +36,8 @@ class FftDim(NamedTuple):
         """``transform_pads`` split in two for the stride-``s`` phases: x padded by the first pair (a, b) has a whole
         number M of rows per phase (s*M), each phase padded by the second (c, e) has ``size`` rows. Padding x by
         (a, b), splitting it into phases and padding each by (c, e) is padding x by ``transform_pads`` then splitting:
-        c = max(lo, 0) div s, e = max(hi, 0) div s, a = lo - s*c, b = hi - s*e, c + e at most the ``size`` rows (a
-        conv that reads none of x's rows pads more zero rows than the transform holds). The phases' zero rows (c, e) are
+        c = max(lo, 0) div s, e = max(hi, 0) div s, a = lo - s*c, b = hi - s*e, c at most the ``size`` rows (a conv
+        that reads none of x's rows pads more zero rows than the transform holds). The phases' zero rows (c, e) are
         left to the transform, which pads one dim at a time (``transforms.forward_transform``), and cut by the
         pruned inverse (``transforms.inverse_transform``) before the phases are interleaved; with stride 1, x is not
         padded at all (a = b = 0 unless a side crops).
@@ -50,8 +50,8 @@ class FftDim(NamedTuple):
             ((0, 1), (0, 1))
         """
         lo, hi = self.transform_pads
-        c = min(max(lo, 0) // s, self.size)
-        e = min(max(hi, 0) // s, self.size - c)
+        c = min(max(lo, 0) // s, self.size)  # more only where x lies past the transform's rows (then hi < 0: e = 0)
+        e = max(hi, 0) // s  # hi >= 0: x ends within the transform's rows, so c + e <= size
         return (lo - s * c, hi - s * e), (c, e)
 
     def whole_rows(self, s: int) -> int:
