@@ -199,7 +199,7 @@ def _several(p: FftPlan) -> bool:
     return p.chunks[0] < p.spec.groups or p.chunks[1] < p.spec.batch or p.row_chunk < p.group_channels[0]
 
 
-def _y_from_x(p: FftPlan) -> FftPlan:
+def _build_y_from_x(p: FftPlan) -> FftPlan:
     """y = the correlation of x with the kernel: per chunk of groups, samples, then kernel rows."""
     s, spec = _Steps(p), p.spec
     whole, samples = p.row_chunk >= s.a, len(chunk_ranges(spec.batch, p.chunks[1]))
@@ -219,7 +219,7 @@ def _y_from_x(p: FftPlan) -> FftPlan:
     return s.done(s.loops("groups", "samples", "kernel rows"), ("x", "w"))
 
 
-def _x_from_y(p: FftPlan) -> FftPlan:
+def _build_x_from_y(p: FftPlan) -> FftPlan:
     """x = the adjoint correlation of y with the kernel: per chunk of groups and samples, x's spectra summed over
     the kernel-row chunks (each slice's spectra of y and of the kernel made and dropped in turn)."""
     s, spec = _Steps(p), p.spec
@@ -239,7 +239,7 @@ def _x_from_y(p: FftPlan) -> FftPlan:
     return s.done(s.loops("groups", "samples", "kernel rows"), ("y", "w"))
 
 
-def _w_from_xy(p: FftPlan) -> FftPlan:
+def _build_w_from_xy(p: FftPlan) -> FftPlan:
     """w = the correlation of x with y over the samples: per chunk of groups and kernel rows, the weight's spectra
     summed over the sample chunks; x's spectra made once per group chunk where the samples are one chunk."""
     s, spec = _Steps(p), p.spec
@@ -258,7 +258,7 @@ def _w_from_xy(p: FftPlan) -> FftPlan:
     return s.done(s.loops("groups", "kernel rows", "samples"), ("x", "y"))
 
 
-_BUILD = {"y_from_x": _y_from_x, "x_from_y": _x_from_y, "w_from_xy": _w_from_xy}
+_BUILD = {"y_from_x": _build_y_from_x, "x_from_y": _build_x_from_y, "w_from_xy": _build_w_from_xy}
 
 
 def fuse(pi: FftPlan, pw: FftPlan) -> FftPlan:

@@ -31,8 +31,8 @@ Range = tuple[int, int]
 class FftStep:
     """One step of an fft plan: ``writes = ops.<op>(*reads, **args)``, inside the plan's first ``depth`` loops.
 
-    ``name`` is what the step is in a word (taps, transform, product, sum, inverse, phases, taps, write), ``shape``
-    the shape it declares for what it writes (of the first chunk, for real data).
+    ``name`` is what the step is in a word (taps, result, start, transform, product, sum, inverse, phases, write,
+    collect, conj, reverse), ``shape`` the shape it declares for what it writes (of the first chunk, for real data).
     """
 
     name: str
