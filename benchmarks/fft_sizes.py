@@ -3,7 +3,7 @@
 For every 5-smooth length in a few ranges, a real forward and inverse transform (torch.fft.rfft + irfft, pocketfft on
 the CPU) of about 2^21 points in rows of that length, timed as CPU time (time.process_time, the best of --reps) so
 that the ratios hold on a shared machine; printed as ns per point with the length's exponents of 2, 3 and 5.
-``spec.formulation.fft_size`` reads the result: odd lengths cost about twice as much per point as even ones near
+``backends.fft.sizing.fft_size`` reads the result: odd lengths cost about twice as much per point as even ones near
 them.
 
     PYTHONPATH=src python benchmarks/fft_sizes.py --threads 1 [--reps 5] [--out benchmarks/results/fft_sizes.md]

@@ -67,19 +67,22 @@ def tuned() -> Iterator[None]:
 
 @pytest.fixture
 def fft_plan_constants(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
-    """A setter of ``convgrad.backends.fft.plans``' constants for one test (``fft_plan_constants(CHUNK_MIN_REALS=1)``):
-    ``plan`` is cached, so its cache is cleared with each change and after the test, when the old values are back
-    (it would otherwise hand out plans made under the other values)."""
-    from convgrad.backends.fft import plans
+    """A setter of ``convgrad.backends.fft.chunking``'s constants for one test
+    (``fft_plan_constants(CHUNK_MIN_REALS=1)``): ``plans.plan`` is cached, so its cache is cleared with each change
+    and after the test, when the old values are back (it would otherwise hand out plans made under the other values).
+    """
+    from convgrad.backends.fft import chunking, plans
 
     def set_constants(**values: int) -> None:
         for name, value in values.items():
-            monkeypatch.setattr(plans, name, value)
+            monkeypatch.setattr(chunking, name, value)
         plans.plan.cache_clear()
+        plans.backward_plan.cache_clear()
 
     yield set_constants
     monkeypatch.undo()
     plans.plan.cache_clear()
+    plans.backward_plan.cache_clear()
 
 
 def pytest_report_header(config: pytest.Config) -> str:

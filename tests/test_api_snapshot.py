@@ -22,10 +22,6 @@ MODULES = (
     "convgrad.spec", "convgrad.functional", "convgrad.autograd", "convgrad.per_sample",
 )
 
-# Classes that only lend members to a public class (a file past ~400 lines split by topic): their members are the
-# public class's, described with it
-MIXINS = ("PhaseGeometry", "FftSizing")
-
 
 def _signature(obj: Any) -> str:
     try:
@@ -35,13 +31,10 @@ def _signature(obj: Any) -> str:
 
 
 def describe(obj: Any) -> Any:
-    """One public object as JSON: its kind and signature; for a class also its public methods and properties, its
-    own and those it inherits from convgrad's private mixins (ConvSpec's ``PhaseGeometry`` and ``FftSizing``)."""
+    """One public object as JSON: its kind and signature; for a class also its own public methods and properties."""
     if inspect.isclass(obj):
         members = {}
-        mixins = [c for c in obj.__mro__[1:] if c.__module__.startswith("convgrad.") and c.__name__ in MIXINS]
-        namespace = {k: v for cls in (*reversed(mixins), obj) for k, v in vars(cls).items()}  # the class's own last
-        for name, member in sorted(namespace.items()):
+        for name, member in sorted(vars(obj).items()):
             if name.startswith("_") and name != "__init__":
                 continue
             if isinstance(member, property):

@@ -1,8 +1,9 @@
 """The fft backend: normwise float64 agreement on the grid and on large kernels, gradcheck/gradgradcheck, complex,
-half precision, chunking, its geometry in spec/ (ConvSpec.fft_chunks), and auto's pruning."""
+half precision, chunking, its geometry (fft.sizing, fft.chunking), and auto's pruning."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,10 +13,10 @@ import torch
 
 import convgrad as cg
 from convgrad.backends import auto, fft, get_backend
-from convgrad.backends.fft import plans as fft_plans
+from convgrad.backends.fft import chunking, sizing
 from convgrad.backends.fft import transforms as fft_transforms
-from convgrad.spec import ConvSpec, smooth_size
-from convgrad.spec.formulation import fft_size
+from convgrad.backends.fft.execute import run
+from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import crop
 from helpers import Case, assert_gradchecks, grid_cases, make_tensors, random_cases, reference_forward, reference_grads
 
@@ -83,7 +84,7 @@ def test_fft_within_1e10_normwise_of_autograd_float64(case: Case) -> None:
 @pytest.mark.parametrize("case", LARGE[:6], ids=str)
 def test_fft_float32_within_its_normwise_bound(case: Case) -> None:
     """float32: normwise error of a few units of roundoff times log2 of the transform size (docs/numerics.md)."""
-    sizes = [d.size for d in case.spec().fft_phases]
+    sizes = [d.size for d in sizing.phases(case.spec())]
     _assert_normwise(case, torch.float32, 8 * 2.0**-24 * math.log2(math.prod(sizes)) * 4)
 
 
@@ -206,56 +207,21 @@ def test_fft_kernel_rows_split_evenly_within_the_kernel_budget() -> None:
     bins = 2 * (p.sizes[-1] // 2 + 1)
     a, _, b = p.group_channels
     assert (a, b) == (512, 2048)
-    budget = spec.fft_budget(fft_plans.CHUNK_MIN_REALS)
+    budget = chunking.chunk_budget(spec, chunking.CHUNK_MIN_REALS)
     assert 1 <= p.row_chunk < a and p.row_chunk * b * bins <= budget  # a slice within the chunk budget
     depthwise = ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256)
     assert fft.plan(depthwise, "grad_weight").row_chunk == 1  # A = 1: all rows, chunked as before
-    assert fft.plan(depthwise, "grad_weight").chunks == depthwise.fft_chunks(1, depthwise.fft_budget(1))
-
-
-def test_fft_transform_length_drops_the_padding_rows_that_wrap_onto_zeros() -> None:
-    """L >= U - min(lead, trail) = 43 for a 31x31 kernel padded 15 on 28 rows (U = 58): 5-smooth (45), even in the
-    last dim (48); fft_size(U) when causal."""
-    dims = ConvSpec.from_shapes((1, 1, 28, 28), (1, 1, 31, 31), padding=15).fft_phases
-    assert [(d.rows, d.size) for d in dims] == [(58, 45), (58, 48)]
-    (causal,) = ConvSpec.from_shapes((1, 1, 64), (1, 1, 64), padding=((63, 0),)).fft_phases
-    assert (causal.rows, causal.size) == (127, fft_size(127))
-
-
-def test_fft_phases_reduce_to_stride_phases_with_dilation_1() -> None:
-    for case in grid_cases() + random_cases(40, seed=7):
-        spec = case.spec()
-        if all(d == 1 for d in spec.dilation):
-            assert tuple(f[1:4] for f in spec.fft_phases) == spec.stride_phases, str(case)
-
-
-def smooth(m: int) -> bool:
-    """Whether m has no prime factor above 5 (written out here, independent of spec's own rule)."""
-    for p in (2, 3, 5):
-        while m % p == 0:
-            m //= p
-    return m == 1
-
-
-def test_smooth_size_is_the_smallest_5_smooth_not_below_n() -> None:
-    for n in range(1, 400):
-        want = next(m for m in range(n, 4 * n) if smooth(m))
-        assert smooth_size(n) == want, n
-
-
-def test_fft_size_is_the_smallest_even_5_smooth_not_below_n() -> None:
-    """Odd real-transform lengths cost twice as much per point (benchmarks/results/fft_sizes.md): 45 -> 48, 81 -> 90."""
-    for n in range(1, 400):
-        want = next(m for m in range(n, 4 * n) if smooth(m) and (m % 2 == 0 or m == 1))
-        assert fft_size(n) == want, n
-    assert all(case.spec().fft_phases[-1].size % 2 == 0 or case.spec().fft_phases[-1].size == 1
-               for case in grid_cases())
+    assert fft.plan(depthwise, "grad_weight").chunks == chunking.chunks(depthwise, 1,
+                                                                        chunking.chunk_budget(depthwise, 1))
 
 
 def test_fft_plan_lists_its_steps_in_order() -> None:
     spec = ConvSpec.from_shapes((2, 8, 28, 28), (8, 1, 31, 31), stride=2, padding=15, groups=8)
-    names = [s.name for s in fft.plan(spec, "grad_weight").steps]
-    assert names == ["pad", "phases", "transform", "product", "inverse", "crop", "taps"]
+    p = fft.plan(spec, "grad_weight")
+    names = [(s.depth, s.name) for s in p.steps]  # x's spectra once per group chunk: the samples are one chunk
+    assert names == [(0, "start"), (1, "transform"), (2, "start"), (3, "transform"), (3, "product"), (3, "sum"),
+                     (2, "inverse"), (2, "collect"), (0, "taps")]
+    assert [loop.name for loop in p.loops] == ["groups", "kernel rows", "samples"] and p.chunks == (8, 2)
     assert fft.plan(spec, "grad_input").steps[-1].shape == spec.input_shape
 
 
@@ -273,17 +239,22 @@ def test_fft_plan_is_cached_and_a_bad_gradient_still_raises() -> None:
 
 @pytest.mark.parametrize("case", [LARGE[5], LARGE[8], LARGE[10], LARGE[14]], ids=str)
 def test_fft_plan_code_runs_and_gives_what_execute_gives(case: Case) -> None:
-    """Each plan's script (its steps' ``code()`` lines, as explain shows them) run on real data equals execute()."""
+    """Each plan's script (its steps' ``code()`` lines, chunk loops and all, as explain shows them) run on real data
+    gives exactly what execute() gives: the same calls in the same order. The fused backward's too, both outputs."""
     spec, t = case.spec(), make_tensors(case)
     x, y = (t["grad_output"], t["input"]) if spec.transposed else (t["input"], t["grad_output"])
     given = {"grad_input": (t["grad_output"], t["weight"]), "grad_weight": (x, y), "output": (t["input"], t["weight"])}
     for gradient, (data, other) in given.items():
         p = fft.plan(spec, gradient)
-        names = {"y_from_x": ("x", "w"), "x_from_y": ("y", "w"), "w_from_xy": ("x", "y")}[p.kind]
-        scope = dict(zip(names, (data, other)))
+        scope = {**dict(zip(p.inputs, (data, other))), "real": True}
         exec("\n".join(p.code()), scope)
-        ref = fft.execute(p, data, other)
-        assert scope["out"].shape == ref.shape and _normwise(scope["out"], ref) <= NORMWISE_F64, (str(case), gradient)
+        assert torch.equal(scope["out"], fft.execute(p, data, other)), (str(case), gradient)
+    both = fft.backward_plan(spec)
+    assert both is not None, str(case)
+    scope = {"x": x, "y": y, "w": t["weight"], "real": True}
+    exec("\n".join(both.code()), scope)
+    ours = fft.execute_backward(both.parts[0], both.parts[1], t["grad_output"], t["input"], t["weight"])
+    assert torch.equal(scope["grad_input"], ours[0]) and torch.equal(scope["grad_weight"], ours[1]), str(case)
 
 
 def test_auto_never_times_fft_on_3x3_and_7x7_layers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -487,3 +458,86 @@ def test_per_sample_fft_matches_a_loop_over_samples(case: Case) -> None:
                                     "grad_output": t["grad_output"][n:n + 1]})["grad_weight"]
         assert _normwise(gw[n], ref) <= NORMWISE_F64
         assert abs(float(norms[n]) - float(ref.norm())) <= NORMWISE_F64 * float(ref.norm())
+
+
+def test_a_mutated_step_changes_the_run_the_text_and_the_code_together() -> None:
+    """One step object is what runs, what explain says and what its script writes: the inverse of a forward conv's
+    plan told to cut one more row off the end gives a result one row short when run, says the new cuts in the
+    text, writes them in the code, and the code run gives exactly what the interpreter gives. The plan's other steps
+    and the unmutated plan are untouched (its run still equals torch's conv)."""
+    spec = ConvSpec.from_shapes((2, 4, 30), (4, 1, 9), padding=4, groups=4)
+    p = fft.plan(spec, "output")
+    j = next(i for i, s in enumerate(p.steps) if s.op == "inverse")
+    step = p.steps[j]
+    ((lo, hi),) = step.kwargs["cuts"]
+    cuts = ((lo, hi + 1),)
+    mutated = dataclasses.replace(p, steps=(*p.steps[:j], dataclasses.replace(step, args=tuple(
+        (k, cuts if k == "cuts" else v) for k, v in step.args)), *p.steps[j + 1:]))
+    x, w = torch.randn(spec.input_shape, dtype=torch.float64), torch.randn(spec.weight_shape, dtype=torch.float64)
+    ran, = run(mutated, {"x": x, "w": w}, True)
+    before, = run(p, {"x": x, "w": w}, True)
+    assert before.shape == spec.output_shape and ran.shape == (*spec.output_shape[:-1], spec.output_shape[-1] - 1)
+    assert torch.allclose(before, torch.nn.functional.conv1d(x, w, padding=4, groups=4))
+    assert torch.equal(ran, before[..., :-1])  # the same values: only the cut moved
+    text, old_text = mutated.describe().splitlines(), p.describe().splitlines()
+    changed = [(a, b) for a, b in zip(old_text, text, strict=True) if a != b]
+    assert len(changed) == 1 and f"cut {cuts}" in changed[0][1] and f"cut {((lo, hi),)}" in changed[0][0]
+    code, old_code = mutated.code(), p.code()
+    changed_code = [(a, b) for a, b in zip(old_code, code, strict=True) if a != b]
+    assert len(changed_code) == 1 and f"cuts={cuts!r}" in changed_code[0][1]
+    scope = {"x": x, "w": w, "real": True}
+    exec("\n".join(code), scope)
+    assert torch.equal(scope["out"], ran)
+
+
+def test_every_step_writes_the_shape_it_declares() -> None:
+    """Each step's declared shape is what it writes for the first chunk of real data (traced by ``run``), on plans
+    of every kind, chunked over groups, samples and kernel rows too (the shapes ``explain`` prints)."""
+    cases = [((2, 4, 30), (4, 1, 9), dict(padding=4, groups=4)),
+             ((3, 6, 17, 13), (6, 2, 5, 4), dict(stride=(2, 3), padding=((2, 1), (0, 3)), dilation=(1, 2), groups=3)),
+             ((2, 4, 9, 10), (4, 3, 3, 4), dict(transposed=True, stride=2, padding=1, output_padding=1, groups=2)),
+             ((2, 64, 28, 28), (64, 64, 31, 31), dict(padding=15))]  # dense: a kernel row a chunk
+    checked = 0
+    for xs, ws, kw in cases:
+        spec = ConvSpec.from_shapes(xs, ws, **kw)
+        t = {"input": torch.randn(spec.input_shape), "weight": torch.randn(spec.weight_shape),
+             "grad_output": torch.randn(spec.output_shape)}
+        x, y = (t["grad_output"], t["input"]) if spec.transposed else (t["input"], t["grad_output"])
+        given = {"x": x, "y": y, "w": t["weight"]}
+        plans = [fft.plan(spec, g) for g in ("output", "grad_input", "grad_weight")]
+        plans += [b for b in [fft.backward_plan(spec)] if b is not None]
+        for p in plans:
+            seen: dict[int, tuple[int, ...]] = {}
+
+            def trace(step: fft.FftStep, value: object, seen: dict[int, tuple[int, ...]] = seen) -> None:
+                if id(step) not in seen and isinstance(value, torch.Tensor):
+                    seen[id(step)] = tuple(value.shape)
+
+            run(p, {name: given[name] for name in p.inputs}, True, trace)
+            for step in p.steps:
+                if id(step) in seen:
+                    assert seen[id(step)] == step.shape, (p.gradient, step.name, step.op, seen[id(step)], step.shape)
+                    checked += 1
+    assert checked > 60
+
+
+# convs whose window never reaches x's rows in one dim (a row of x behind more padding than the kernel's reach):
+# grad_input is zeros of x's shape, grad_weight zeros, the forward reads zeros only
+PADDING_ONLY = [Case((2, 2, 1), (2, 2, 2), stride=2, dilation=3, padding=((6, 0),), name="1d-s2-d3-pad6"),
+                Case((2, 2, 1), (2, 2, 6), stride=3, padding=((9, 1),), name="1d-s3-k6-pad9"),
+                Case((1, 2, 3, 1), (2, 2, 3, 4), stride=2, padding=((1, 1), (6, 0)), name="2d-second-dim-pad6"),
+                Case((2, 2, 2), (2, 2, 2), stride=2, dilation=3, padding=((6, 0),), transposed=True, output_padding=1,
+                     name="T-1d")]
+
+
+@pytest.mark.parametrize("case", PADDING_ONLY, ids=lambda c: c.name)
+def test_fft_of_a_conv_that_reads_only_padding_has_the_input_shape(case: Case) -> None:
+    """Where the transform length is shorter than the zero rows before x's data (the conv reads none of x's rows),
+    each phase's zero rows are at most the transform length: the gradients keep x's shape. Before, the split of the
+    pads gave a negative number of rows per phase and grad_input came back 3 rows long for 1 row of x."""
+    spec = case.spec()
+    dims = sizing.phases(spec)
+    assert all(0 <= d.whole_rows(s) for d, s in zip(dims, spec.stride))
+    _assert_normwise(case)
+    t = make_tensors(case)
+    assert get_backend("fft").forward(spec, t["input"], t["weight"]).shape == spec.output_shape

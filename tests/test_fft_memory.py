@@ -8,7 +8,7 @@ row-slicing trigger, the weight's size), wav2letter.k250s160's gradients (y's sp
 slice's spectra, held while a slice was transformed), and 3duxnet.dw7x7x7's grad_weight (5 groups of 54^3 bins a
 chunk, sized by a quarter of x and y, where native's peak is a 3.4 MiB scratch; 2 a chunk now),
 convnext.dw7x7's grad_weight (2 groups of 16 samples a chunk held 2.64x native's 0.69 MiB scratch; 1 group now) and
-UniRepLKNet's forward, the closest to 2x of the depthwise layers' budget (``ConvSpec.fft_budget``: 1.68x).
+UniRepLKNet's forward, the closest to 2x of the depthwise layers' budget (``chunking.chunk_budget``: 1.68x).
 ``python benchmarks/large_kernels.py --memory-only`` gives the whole suite (benchmarks/results/fft_memory.md).
 """
 
@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from convgrad.backends import fft
-from convgrad.backends.fft import plans as fft_plans
+from convgrad.backends.fft import chunking
+from convgrad.backends.native import weight_scratch
 from convgrad.cli.bench.layers import select
 
 LARGE = {layer.name: layer.spec() for layer in select("large", None)}
@@ -36,7 +37,7 @@ def test_fft_holds_at_most_a_chunk_budget_of_one_groups_kernel_spectra(name: str
     (the least it can). wav2vec2.posconv (48 x 48 channels per group, 576 bins) held all 1.33M reals of a group with a
     budget of 384k, since they fit the weight's size: its forward peaked at 3.15x native's."""
     spec = LARGE[name]
-    budget = spec.fft_budget(fft_plans.CHUNK_MIN_REALS)
+    budget = chunking.chunk_budget(spec, chunking.CHUNK_MIN_REALS)
     for gradient in GRADIENTS:
         p = fft.plan(spec, gradient)
         held = p.row_chunk * p.group_channels[2] * 2 * math.prod(p.bins(True))
@@ -44,7 +45,7 @@ def test_fft_holds_at_most_a_chunk_budget_of_one_groups_kernel_spectra(name: str
 
 
 # per layer: (the forward's and grad_input's chunks, grad_weight's), (groups, samples); only where native's grad_weight
-# scratch (ConvSpec.native_weight_scratch) is far below the budget (3D UX-Net, ConvNeXt, UniRepLKNet) does grad_weight
+# scratch (native.weight_scratch) is far below the budget (3D UX-Net, ConvNeXt, UniRepLKNet) does grad_weight
 # take fewer groups. The budget is the smaller of x and y on depthwise layers where x and y are alike (twice the
 # groups of a quarter of both), a quarter of both on SincNet and on the grouped or dense layers (wav2vec2, HiFi-GAN,
 # ResNet), CHUNK_MIN_REALS on wav2letter
@@ -59,7 +60,7 @@ CHUNKS = {"replknet.dw31": ((39, 4), (39, 4)), "slak.dw51x5": ((23, 2), (23, 2))
 def test_fft_chunks_of_every_large_layer() -> None:
     """The exact chunks of every plan of the large suite: grad_weight's groups are cut to what fits
     ``WEIGHT_SCRATCH_RATIO`` times native's scratch on 3D UX-Net, ConvNeXt and UniRepLKNet only; every other layer,
-    and every forward and grad_input, takes the chunks of ``ConvSpec.fft_budget``. The previous rule (64 weights'
+    and every forward and grad_input, takes the chunks of ``chunking.chunk_budget``. The previous rule (64 weights'
     elements) gave ConvNeXt 2 groups, 2.64x native's peak."""
     assert sorted(CHUNKS) == sorted(LARGE)
     got = {name: ((fft.plan(spec, "output").chunks, fft.plan(spec, "grad_input").chunks),
@@ -95,7 +96,7 @@ def test_fft_peak_is_at_most_twice_natives(bench: ModuleType, name: str, call: s
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["convnext.dw7x7", "3duxnet.dw7x7x7", "replknet.dw31", "unireplknet.dw13"])
 def test_native_weight_grad_scratch_is_at_least_the_modelled_one(bench: ModuleType, name: str) -> None:
-    """grad_weight's chunk rule budgets twice ``ConvSpec.native_weight_scratch``, a lower bound of what native's
+    """grad_weight's chunk rule budgets twice ``native.weight_scratch``, a lower bound of what native's
     grad_weight holds: measured (float32, 2 threads), native's peak is at least that many reals."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -103,4 +104,5 @@ def test_native_weight_grad_scratch_is_at_least_the_modelled_one(bench: ModuleTy
         native, _ = bench.memory(LARGE[name], ("grad_weight",))["grad_weight"]
     finally:
         torch.set_num_threads(threads)
-    assert native >= 4 * LARGE[name].native_weight_scratch, (name, native, LARGE[name].native_weight_scratch)
+    scratch = weight_scratch(LARGE[name])
+    assert native >= 4 * scratch, (name, native, scratch)

@@ -9,6 +9,7 @@ import torch
 
 import convgrad as cg
 from convgrad.backends import get_backend
+from convgrad.backends.fft import sizing
 from convgrad.backends.fft import transforms as tf
 from convgrad.spec import ConvSpec, padded_sizes
 from convgrad.tensor_ops import crop, pad
@@ -145,7 +146,7 @@ def test_phase_pads_split_the_transform_pads_per_phase(i: int, k: int, s: int, d
     """x padded by the first pair, split into phases, each padded by the second = x padded by ``transform_pads``,
     then split: the phases' zero rows may be left to the transform and cut by the inverse."""
     spec = ConvSpec.from_shapes((1, 1, i), (1, 1, k), stride=s, dilation=d, padding=(pads,))
-    dim = spec.fft_phases[0]
+    dim = sizing.phases(spec)[0]
     whole, zeros = dim.phase_pads(s)
     x = torch.arange(1.0, i + 1).reshape(1, 1, i)
     want = pad(x, [dim.transform_pads]).reshape(dim.size, s).T  # (s, L): phase phi's rows
@@ -156,7 +157,7 @@ def test_phase_pads_split_the_transform_pads_per_phase(i: int, k: int, s: int, d
 
 def test_phase_pads_of_every_dim_of_a_2d_strided_spec() -> None:
     spec = ConvSpec.from_shapes((1, 1, 29, 31), (1, 1, 9, 9), stride=2, padding=((4, 3), (2, 5)))
-    for dim, s, n in zip(spec.fft_phases, spec.stride, spec.x_size):
+    for dim, s, n in zip(sizing.phases(spec), spec.stride, spec.x_size):
         (a, b), (c, e) = dim.phase_pads(s)
         assert a + s * c == dim.transform_pads[0] and b + s * e == dim.transform_pads[1]
         assert (n + a + b) % s == 0 and (n + a + b) // s + c + e == dim.size

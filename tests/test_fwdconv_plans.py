@@ -29,6 +29,7 @@ from convgrad.backends.fwdconv import (
     plan_input_grad,
     plan_weight_grad,
 )
+from convgrad.backends.fwdconv.plan import Chain
 from convgrad.errors import MethodRefused
 from convgrad.spec import ConvSpec
 from helpers import TOL, Case, assert_matches_autograd, grid_cases, make_tensors, random_cases, reference_grads
@@ -558,3 +559,66 @@ def test_the_per_sample_weight_plan_gives_each_samples_own_gradient(case: Case) 
         torch.testing.assert_close(got[n], ref["grad_weight"], **TOL[torch.float64])
     summed = execute(plan_weight_grad(spec, "per_sample"), x, y)
     torch.testing.assert_close(got.sum(0), summed, **TOL[torch.float64])
+
+
+# ---- one list of tensor operations: what a step runs is what its code writes ------------------------------------
+def _script(lines: list[str], **tensors: torch.Tensor) -> dict[str, Any]:
+    scope: dict[str, Any] = {"torch": torch, "F": torch.nn.functional, **tensors}
+    exec("\n".join(lines), scope)
+    return scope
+
+
+def test_a_mutated_step_changes_the_run_the_text_and_the_code_together() -> None:
+    """A step's call, its sentence and its code are one object's: zero-insertion told a stride of (2, 1) instead of
+    (2, 2) inserts fewer zeros when the plan runs, says the new stride in the recipe's text, writes the new reshape
+    and pad in its code, and that code run gives exactly what the plan gives. Nothing else in the plan changes."""
+    from convgrad.backends.fwdconv.steps import ZeroInsert
+    from convgrad.explain.code import plan_code
+    from convgrad.explain.recipe import plan_steps
+
+    spec = ConvSpec.from_shapes((2, 4, 9, 9), (6, 2, 3, 3), stride=2, padding=((1, 2), (0, 1)), groups=2)
+    p = plan_input_grad(spec, "zero_insert")
+    step = p.data_steps[0]
+    assert isinstance(step, ZeroInsert) and step.stride == (2, 2)
+    mutated = dataclasses.replace(p, data_steps=(dataclasses.replace(step, stride=(2, 1)), *p.data_steps[1:]))
+    gy, w = torch.randn(spec.output_shape, dtype=torch.float64), torch.randn(spec.weight_shape, dtype=torch.float64)
+    before, after = execute(p, gy, w), execute(mutated, gy, w)
+    assert before.shape == spec.input_shape and after.shape == (2, 4, 9, 6)  # 3 zero-inserted columns, not 7
+    text = [(a.description, b.description) for a, b in zip(plan_steps(p), plan_steps(mutated), strict=True)]
+    changed = [pair for pair in text if pair[0] != pair[1]]
+    assert changed == [("zero-insert by stride (2, 2) (stride-1 zeros between entries)",
+                        "zero-insert by stride (2, 1) (stride-1 zeros between entries)")]
+    shapes = {"grad_output": spec.output_shape, "weight": spec.weight_shape}
+    code, old_code = plan_code(mutated, "out", shapes), plan_code(p, "out", shapes)
+    assert len(code) == len(old_code) and sum(a != b for a, b in zip(old_code, code, strict=True)) == 3
+    assert torch.equal(_script(code, grad_output=gy, weight=w)["out"], after)
+    assert torch.equal(_script(old_code, grad_output=gy, weight=w)["out"], before)
+
+
+@pytest.mark.parametrize("case", [c for c in grid_cases() if not c.spec().unbatched and c.spec().batch], ids=str)
+def test_every_chain_steps_code_gives_exactly_what_it_runs(case: Case) -> None:
+    """Every step that is a chain of tensor operations (``plan.Chain``), in every plan of both gradients, the taps
+    each polyphase phase takes of the kernel too: its ``code()`` run on its input gives exactly its call's result
+    (one list of ``TensorOp``s, run and written)."""
+    spec, t = case.spec(), make_tensors(case)
+    checked = 0
+    plans = []
+    for planner, methods in ((plan_input_grad, INPUT_METHODS), (plan_weight_grad, WEIGHT_METHODS)):
+        for method in methods:
+            try:
+                plans.append(planner(spec, method))
+            except MethodRefused:  # a formulation that does not serve this layer has no steps to check
+                continue
+    for p in plans:
+        phases = [ph for ph in getattr(p.conv, "phases", ()) if ph is not None]
+        for source, steps in ((p.data, p.data_steps), (p.kernel, (*p.kernel_steps, *(ph.taps for ph in phases)))):
+            v = t[source]
+            for step in steps:
+                out = step(v)
+                if isinstance(step, Chain):
+                    got = _script(step.code("v", tuple(v.shape)), v=v)["v"]
+                    assert got.shape == out.shape and torch.equal(got, out), (str(case), p.method, step)
+                    checked += 1
+                if not isinstance(step, contractions.TakeTaps):  # each phase's taps read the whole kernel
+                    v = out
+    assert checked > 0

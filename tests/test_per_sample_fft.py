@@ -13,9 +13,9 @@ from torch import nn
 
 import convgrad as cg
 from convgrad.backends import get_backend
+from convgrad.backends.fft import chunking, sizing
 from convgrad.backends.fft import per_sample as fft
 from convgrad.per_sample import methods, tuning
-from convgrad.spec import chunks
 from helpers import TOL, Case, layer_case, make_tensors, per_sample_reference
 
 DT = torch.float64
@@ -74,26 +74,12 @@ def test_fft_per_sample_grads_and_norms_match_a_loop_of_autograd(case: Case) -> 
 @pytest.mark.parametrize("case", [GRID[3], GRID[4], GRID[6], GRID[9]], ids=str)
 def test_every_chunk_of_samples_groups_and_channels_lands_in_its_place(case: Case, sizes: tuple[int, int, int],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of (groups, samples, y channels) cut the work (``ConvSpec.fft_per_sample_chunks``); each chunk's
+    """Chunks of (groups, samples, y channels) cut the work (``chunking.per_sample_chunks``); each chunk's
     gradients and norms go to their own samples, groups and channels."""
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(cg.ConvSpec, "fft_per_sample_chunks", lambda self, p, budget: calls.append(sizes) or sizes)
+    monkeypatch.setattr(chunking, "per_sample_chunks", lambda spec, p, budget: calls.append(sizes) or sizes)
     _check(case)
     assert calls  # the chunk sizes were taken from the spec
-
-
-def test_chunk_sizes_fit_the_budget() -> None:
-    """One chunk's reals, from the spec's own counts, stay within the budget wherever one (sample, group, channel)
-    fits; channels are cut only when a whole (sample, group) does not fit."""
-    spectra, channel = 40, 30
-    for budget in (70, 100, 500, 5000, 50_000):
-        for batch, groups, channels in ((1, 1, 1), (4, 8, 3), (7, 5, 16), (32, 64, 1)):
-            g, n, a = chunks.fft_per_sample_chunks(spectra, channel, batch, groups, channels, budget)
-            assert 1 <= g <= groups and 1 <= n <= batch and 1 <= a <= channels
-            held = g * n * (spectra + a * channel)
-            assert held <= budget, (budget, batch, groups, channels, (g, n, a))
-            assert a == channels or (g, n) == (1, 1)
-    assert chunks.fft_per_sample_chunks(40, 30, 4, 8, 3, 100) == (1, 1, 2)  # 40 + 2 * 30 <= 100 < 40 + 3 * 30
 
 
 def test_float32_and_half_precision_accumulate_in_float32() -> None:
@@ -123,7 +109,7 @@ def test_fft_norms_of_a_large_kernel_take_less_memory_than_the_plain_backward(mo
     ghost would copy 961 x the input per sample (benchmarks/per_sample_memory.py has the full-size layers)."""
     peak_bytes = _peak_bytes()
     # the budget a quarter of the layer's sides, as on a full-size layer, where that quarter is over the floor
-    monkeypatch.setattr(fft, "CHUNK_MIN_REALS", 0)
+    monkeypatch.setattr(chunking, "CHUNK_MIN_REALS", 0)
     spec = cg.ConvSpec.from_shapes((8, 16, 28, 28), (16, 1, 31, 31), padding=15, groups=16)
     x, w, gy = (torch.randn(s) for s in (spec.input_shape, spec.weight_shape, spec.output_shape))
     plain = peak_bytes(lambda: get_backend("native").gradients(spec, gy, x, w, True, True))
@@ -167,7 +153,7 @@ def test_a_large_depthwise_kernel_races_fft_alone(purpose: str) -> None:
 
 def test_fft_estimate_follows_its_transforms_and_products() -> None:
     """The estimate counts 3 transforms and one product per (sample, channel) of a depthwise layer."""
-    dims = LARGE.fft_phases
+    dims = sizing.phases(LARGE)
     v = dims[0].size * dims[1].size
     bins = dims[0].size * (dims[1].size // 2 + 1)
     pairs = LARGE.batch * LARGE.y_channels

@@ -12,6 +12,7 @@ grad_output of a transposed conv, whose output aten would otherwise not crop.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +94,19 @@ def zero_padding_only_taps(grad_weight: torch.Tensor, spec: ConvSpec) -> torch.T
         for t in taps:
             mask.narrow(j, t, 1).fill_(True)
     return torch.where(mask, torch.zeros((), dtype=grad_weight.dtype, device=grad_weight.device), grad_weight)
+
+
+def weight_scratch(spec: ConvSpec) -> int:
+    """Reals of scratch that native's grad_weight holds at least on the CPU: one channel's taps over one plane of y
+    (the last two dims), ``T * prod(y_size[-2:])``, and 4 weights (oneDNN's GEMM grad_weight, as the torch profiler
+    saw it on the large suite's depthwise layers: benchmarks/results/chunk_budgets.md). It does not grow with the
+    batch; the fft backend sizes its grad_weight chunks against it.
+
+    Examples:
+        >>> weight_scratch(ConvSpec.from_shapes((16, 96, 56, 56), (96, 1, 7, 7), padding=3, groups=96))
+        172480
+    """
+    return spec.taps * math.prod(spec.y_size[-2:]) + 4 * math.prod(spec.weight_shape)
 
 
 @register

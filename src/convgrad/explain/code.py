@@ -91,7 +91,7 @@ def script(spec: ConvSpec, plans: dict[str, Any], shapes: dict[str, Shape]) -> s
     rand = [f"    {name} = torch.randn({commas(shape)}, dtype=torch.float64, device=DEVICE)"
             for name, shape in shapes.items()]
     unbatched = "  (the recipe works on batched tensors; N=1 stands for unbatched)" if spec.unbatched else ""
-    needs = ("needs torch and convgrad (the fft steps call convgrad.backends.fft.transforms); recipe_grads "
+    needs = ("needs torch and convgrad (the fft steps call convgrad.backends.fft.ops); recipe_grads "
              "uses the fft backend's pad, transforms, per-bin products and crops, and") \
         if any(fft_view.is_fft(p) for p in plans.values()) else \
         "needs only torch. recipe_grads uses F.pad, F.conv*d,\nflip and reshape/permute;"

@@ -1,12 +1,13 @@
 """explain's view of the fft backend's plans (backends/fft/plans.py): text, script lines and a picture.
 
-The fft plans compute a gradient as pad -> (phases) -> transform -> product per frequency bin -> inverse -> crop.
-Their text and script come from the plan's own steps (``FftStep.describe()``, ``FftPlan.code()``). The picture
-is drawn from the plan's numbers, not from frames: a frequency bin mixes every input cell with every kernel
-cell, so there is no "which cells feed this output cell" geometry to draw per step. What it shows, per
-spatial dim of one phase: the transform grid of L rows, the rows holding data and the zero rows the
-transform pads (the circular correlation wraps zeros onto zeros), the kernel's slots, and the rows the crop
-keeps. Animation and pages (frames) refuse fft plans (``frames_refused``).
+The fft plans compute a gradient as pad -> (phases) -> transform -> product per frequency bin -> inverse -> crop,
+chunk by chunk. Their text and script are the plan's own steps, the ones the backend runs (``FftPlan.lines()``,
+``FftStep.describe()``, ``FftPlan.code()``). The picture is drawn from the steps' arguments, not from frames: a
+frequency bin mixes every input cell with every kernel cell, so there is no "which cells feed this output cell"
+geometry to draw per step. What it shows, per spatial dim of one phase: the transform grid of L rows (the
+transform's sizes), the rows holding data and the zero rows the transform pads (the circular correlation wraps
+zeros onto zeros), the kernel's slots, and the rows the inverse keeps (its cuts). Animation and pages (frames)
+refuse fft plans (``frames_refused``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from convgrad.backends.fft import FftPlan, shares_spectra
+from convgrad.backends.fft import FftPlan, FftStep, backward_plan, shares_spectra
 from convgrad.errors import MethodRefused
 from convgrad.spec import ConvSpec, Shape
 
@@ -40,8 +41,11 @@ def shared_pass(plans: dict[str, Any]) -> list[str]:
     pi, pw = plans.get("grad_input"), plans.get("grad_weight")
     if not (isinstance(pi, FftPlan) and isinstance(pw, FftPlan) and shares_spectra(pi, pw)):
         return []
+    both = backward_plan(pi.spec)
+    steps = _numbered(both) if both is not None else []
     return ["when both gradients are asked for, the fft backend runs their two plans below as one pass: each chunk "
-            "of grad_output is transformed once and its spectrum read by both products (fft.execute_backward)"]
+            "of grad_output is transformed once and its spectrum read by both products (fft.execute_backward):",
+            *steps]
 
 
 def frames_refused(fn: str, gradient: str) -> MethodRefused:
@@ -69,6 +73,11 @@ def text_steps(plan: FftPlan) -> list[tuple[str, str, Shape]]:
     return [(s.name, s.describe(), tuple(s.shape)) for s in plan.steps]
 
 
+def _numbered(plan: FftPlan) -> list[str]:
+    """The plan's lines (``FftPlan.lines``): each step numbered, each loop's head, indented by its depth."""
+    return [f"   {'' if n is None else f'{n:>2}.':>3} {'  ' * depth}{text}" for n, depth, text in plan.lines()]
+
+
 def plan_lines(name: str, plan: FftPlan, starts: dict[str, Shape]) -> list[str]:
     """The recipe text of one fft plan: what it combines, the transform size, then its steps."""
     data, kernel = operands(plan)
@@ -78,8 +87,7 @@ def plan_lines(name: str, plan: FftPlan, starts: dict[str, Shape]) -> list[str]:
              f"       {data:<12} {starts[data]}", f"       {kernel:<12} {starts[kernel]}"]
     if plan.spec.batch == 0:
         lines.append("   the sum is empty (batch 0): zeros")
-    lines += [f"   {n:>2}. {text}" for n, (_, text, _) in enumerate(text_steps(plan), 1)]
-    return lines
+    return [*lines, *_numbered(plan)]
 
 
 def code_lines(plan: FftPlan, out: str) -> list[str]:
@@ -89,28 +97,36 @@ def code_lines(plan: FftPlan, out: str) -> list[str]:
     if plan.spec.batch == 0:
         return [*lines, f"{out} = grad_output.new_zeros({shape})  # empty sum (batch 0)"]
     names = _names(plan)
-    reads = {"y_from_x": ("x", "w"), "x_from_y": ("y", "w"), "w_from_xy": ("x", "y")}[plan.kind]
-    lines += [f"{v} = {names[v]}" for v in reads]
-    own = [line for line in plan.code() if line != "import torch"]  # the script imports it at the top (a local
-    # import would make torch a local name of recipe_grads, unbound in the lines of a fwdconv plan before it)
-    return [*lines, *own, f"{out} = out  # {shape}"]
+    lines += [f"{v} = {names[v]}" for v in plan.inputs]
+    return [*lines, "real = True  # the script's tensors are real", *plan.code(), f"{out} = out  # {shape}"]
+
+
+def _step(plan: FftPlan, *ops: str) -> FftStep:
+    """The plan's first step of one of these operations."""
+    return next(s for s in plan.steps if s.op in ops)
 
 
 def _dim_rows(plan: FftPlan, j: int) -> tuple[list[int], list[int], list[int]]:
-    """Per spatial dim j, for the first live phase, the kinds of the L rows of: the data, the kernel, the result."""
-    spec, d = plan.spec, plan.dims[j]
-    size, s, phi = d.size, spec.stride[j], d.phases[0]
+    """Per spatial dim j, for the first live phase, the kinds of the L rows of: the data, the kernel, the result.
+
+    Read from the steps that run: L from the forward transform's sizes, the phases, pads and slots from the dims it
+    passes, the kept rows from the inverse's cuts (and, for x, the crop of its phases' pads to x's rows)."""
+    spec = plan.spec
+    transform = _step(plan, "x_spectra", "y_spectra").kwargs
+    d = next(s.kwargs["dims"] for s in plan.steps if "dims" in s.kwargs)[j]
+    size, s, phi = transform["sizes"][j], spec.stride[j], d.phases[0]
     lo = d.transform_pads[0]
     x_real = [DATA if lo <= r * s + phi < lo + spec.x_size[j] else ZERO for r in range(size)]
     held = {slot for slot in d.slots if 0 <= slot < d.taps}  # the first phase's slots that hold a tap
     taps = [DATA if r in held else ZERO for r in range(size)]
-    o = spec.y_size[j]
-    y_rows = [DATA if r < o else ZERO for r in range(size)]
+    y_rows = [DATA if r < spec.y_size[j] else ZERO for r in range(size)]
+    first, last = _step(plan, "inverse", "x_inverse", "w_inverse").kwargs["cuts"][j]
+    kept = [first <= r < size - last for r in range(size)]
     if plan.kind == "y_from_x":
-        return x_real, taps, [KEPT if r < o else DROPPED for r in range(size)]
+        return x_real, taps, [KEPT if k else DROPPED for k in kept]
     if plan.kind == "x_from_y":
-        return y_rows, taps, [KEPT if k == DATA else DROPPED for k in x_real]
-    return x_real, y_rows, [KEPT if r < d.taps else DROPPED for r in range(size)]
+        return y_rows, taps, [KEPT if k and x == DATA else DROPPED for k, x in zip(kept, x_real)]
+    return x_real, y_rows, [KEPT if k else DROPPED for k in kept]
 
 
 def _grid(rows: list[list[int]]) -> np.ndarray:

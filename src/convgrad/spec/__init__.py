@@ -5,12 +5,12 @@ the NumPy path can use it too. Its modules, each importing only those above it:
 
 * ``arguments``: torch's int-or-tuple arguments normalised to per-dim tuples, with every argument check;
 * ``formulation``: the per-dim arithmetic of the backward's formulations (polyphase taps, sub-pixel, blocks,
-  stride phases, the FFT's phases and the one asymmetric-pad split ``pad_split``);
-* ``chunks``: chunk sizing (equal chunks, the FFT's chunks) and the byte budgets;
-* ``phase_geometry``: ``PhaseGeometry``, ConvSpec's polyphase, sub-pixel and space-to-depth properties (a mixin);
-* ``fft_sizing``: ``FftSizing``, ConvSpec's FFT sizing: phases, live-phase count, bins and chunks (a mixin);
-* ``geometry``: ``ConvSpec``, the forward geometry, the derived specs and the pads of the backward; it inherits
-  the two mixins.
+  stride phases and the one asymmetric-pad split ``pad_split``);
+* ``chunks``: chunk sizing (equal chunks, consecutive ranges) and the byte budgets;
+* ``geometry``: ``ConvSpec``, the forward geometry, the derived specs, the pads and phases of the backward.
+
+What one backend alone needs (its transform sizes, its chunks, an estimate of a kernel's scratch memory) lives in
+that backend's package, as functions over ``ConvSpec``; nothing here names a backend.
 
 Geometry. Every convolution, forward or transposed, is described through the *forward geometry*: a big side
 ``x`` (extent ``i`` per dim) read by a kernel of extent ``k`` with stride ``s`` and dilation ``d`` after padding
@@ -36,8 +36,8 @@ from convgrad.spec.arguments import Pair as Pair
 from convgrad.spec.arguments import Shape as Shape
 from convgrad.spec.arguments import check_bias_sizes, check_output_mask, same_padding
 from convgrad.spec.arguments import ntuple as ntuple
-from convgrad.spec.formulation import FftDim, PhaseTaps, smooth_size, tap_rows
 from convgrad.spec.formulation import PadSplit as PadSplit
+from convgrad.spec.formulation import PhaseTaps, tap_rows
 from convgrad.spec.formulation import output_rows as output_rows
 from convgrad.spec.formulation import pad_split as pad_split
 from convgrad.spec.formulation import pad_then_crop as pad_then_crop
@@ -49,6 +49,5 @@ from convgrad.spec.formulation import strided_crop as strided_crop
 from convgrad.spec.geometry import ConvSpec
 
 # The public API (tests/api_snapshot.json); the names imported ``as`` themselves above are importable too.
-__all__ = ["ConvSpec", "FftDim", "PhaseTaps", "check_bias_sizes", "check_output_mask", "same_padding", "smooth_size",
-           "tap_rows"]
+__all__ = ["ConvSpec", "PhaseTaps", "check_bias_sizes", "check_output_mask", "same_padding", "tap_rows"]
 

@@ -1,8 +1,7 @@
 """``ConvSpec``: one convolution's validated hyperparameters, its forward geometry (the package docstring), its
 shapes, the pads of the backward's formulations and the specs derived from it. The per-dim arithmetic is in
-``formulation``, the argument checks in ``arguments``; the properties zip them over dims. ConvSpec inherits the
-polyphase, sub-pixel and space-to-depth geometry from ``phase_geometry.PhaseGeometry`` and the FFT backend's sizing
-from ``fft_sizing.FftSizing``.
+``formulation``, the argument checks in ``arguments``; the properties zip them over dims, the polyphase, sub-pixel
+and space-to-depth geometry of the backward's formulations included.
 """
 
 from __future__ import annotations
@@ -12,16 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from convgrad.errors import ConvgradValueError
-from convgrad.spec import formulation, report
+from convgrad.spec import formulation
 from convgrad.spec.arguments import SPECS, IntOrTuple, PaddingArg, Pair, check_extents, memo_key, normalise, remember
-from convgrad.spec.fft_sizing import FftSizing
-from convgrad.spec.phase_geometry import PhaseGeometry
+from convgrad.spec.formulation import PhaseTaps
 
 __all__ = ["ConvSpec"]
 
 
 @dataclass(frozen=True)
-class ConvSpec(PhaseGeometry, FftSizing):
+class ConvSpec:
     """Validated hyperparameters and shapes of one (forward or transposed) convolution.
 
     Build it with ``ConvSpec.from_shapes``. All sizes are user-facing: ``input``
@@ -300,6 +298,56 @@ class ConvSpec(PhaseGeometry, FftSizing):
         """T = prod(k): kernel taps."""
         return math.prod(self.kernel_size)
 
+    # ---- the phases of the big side (polyphase, sub-pixel) and of x (space-to-depth, stride phases) ------------
+    @property
+    def phase_rows(self) -> tuple[int, ...]:
+        """ceil(i/s) per dim: rows per phase of the big side; interleaving the s phases gives s*ceil(i/s) >= i."""
+        return tuple(-(-i // s) for i, s in zip(self.x_size, self.stride))
+
+    @property
+    def phases(self) -> tuple[tuple[PhaseTaps | None, ...], ...]:
+        """Per dim, for each phase rho = 0..s-1 of the big side, the taps that reach it (None: an empty phase).
+
+        At most s/gcd(s, d) phases per dim receive taps, so at most prod(s/g) of the prod(s) N-d phases
+        (``formulation.phase_taps`` has the derivation).
+        """
+        return tuple(formulation.phase_taps(i, k, s, d, lo, o) for i, k, s, d, (lo, _), o in zip(
+            self.x_size, self.kernel_size, self.stride, self.dilation, self.padding, self.y_size))
+
+    @property
+    def subpixel_taps(self) -> tuple[tuple[int, Pair, tuple[int, ...]], ...] | None:
+        """Per dim (fused taps, pads of y, offset of each phase's taps): every phase in one conv (sub-pixel); None
+        when some phase needs dilation > 1 or a dim has no phase with taps (``formulation.subpixel_dim``)."""
+        out = []
+        for rows, o, dim in zip(self.phase_rows, self.y_size, self.phases):
+            fused = formulation.subpixel_dim(rows, o, dim)
+            if fused is None:
+                return None
+            out.append(fused)
+        return tuple(out)
+
+    @property
+    def dilation_blocks(self) -> tuple[tuple[int, int], ...]:
+        """Per dim (U, M): blocks of d rows of the read x and of y for space-to-depth by the dilation d
+        (``formulation.dilation_block``)."""
+        return tuple(formulation.dilation_block(k, d, o) for k, d, o in zip(self.kernel_size, self.dilation,
+                                                                             self.y_size))
+
+    @property
+    def stride_phases(self) -> tuple[tuple[int, int, Pair], ...]:
+        """Per dim (Q, U, pads): the phases of x for grad_weight by the stride s, with dilation 1
+        (``formulation.stride_phase`` has the derivation).
+
+        Returns:
+            tuple of (Q, U, (lo, hi)) per spatial dim.
+
+        Examples:
+            >>> ConvSpec.from_shapes((1, 1, 7), (1, 1, 3), stride=2, padding=1).stride_phases
+            ((2, 5, (1, 2)),)
+        """
+        return tuple(formulation.stride_phase(k, s, o, pads, size) for k, s, o, pads, size in zip(
+            self.kernel_size, self.stride, self.y_size, self.x_read_pads, self.x_read_size))
+
     def fit_output_size(self, output_size: Sequence[int]) -> ConvSpec:
         """This transposed conv with the output_padding that yields output_size (ConvTranspose's output_size=)."""
         op = tuple(want - (x - p) for want, x, p in zip(output_size, self.x_size, self.output_padding))
@@ -386,5 +434,22 @@ class ConvSpec(PhaseGeometry, FftSizing):
         return self.batch * self.y_channels * self.positions * self.x_group_channels * self.taps
 
     def describe(self) -> str:
-        """One line: the configuration in torch's argument names; an unbatched input as given, (C_in, *spatial)."""
-        return report.describe(self)
+        """One line: the configuration in torch's argument names, the arguments that differ from their defaults; an
+        unbatched input as given, (C_in, *spatial).
+
+        Examples:
+            >>> ConvSpec.from_shapes((3, 9, 8), (4, 3, 2, 2), stride=2).describe()
+            'conv2d input=(3, 9, 8) (unbatched) weight=(4, 3, 2, 2) stride=(2, 2)'
+        """
+        kind = "conv_transpose" if self.transposed else "conv"
+        given = f"{self.input_shape[1:]} (unbatched)" if self.unbatched else f"{self.input_shape}"
+        parts = [f"{kind}{self.n}d input={given} weight={self.weight_shape}"]
+        for name, value, default in (("stride", self.stride, (1,) * self.n),
+                                     ("padding", self.padding, ((0, 0),) * self.n),
+                                     ("dilation", self.dilation, (1,) * self.n),
+                                     ("output_padding", self.output_padding, (0,) * self.n)):
+            if value != default:
+                parts.append(f"{name}={value}")
+        if self.groups != 1:
+            parts.append(f"groups={self.groups}")
+        return " ".join(parts)

@@ -8,22 +8,25 @@ length L per dim, ~T(f) = T(-f) the transform of the reversed sequence, conj(T(f
     w from x, y W'[a, b] = sum_n ~Y[n, a] X[n, b]     [a, n] [n, b] -> [a, b]   (grad_weight)
 Groups are a batch dim of the per-bin matmul (or of a broadcast product when A*B is small), never a loop.
 
-Stride and dilation by a polyphase split (``ConvSpec.fft_phases``): tap t reads x_pad[j*s + t*d], row j + q
+Stride and dilation by a polyphase split (``sizing.phases``): tap t reads x_pad[j*s + t*d], row j + q
 of phase phi, with t*d = s*q + phi. Each live phase is read by a stride-1 correlation; the phases become
 channels of x, each tap a slot (phase, q) of the kernel, so the sum over phases is part of the per-bin
 contraction. No output is computed in full and then subsampled. Transform lengths are 5-smooth, even in the
 last dim (a real transform of odd length costs twice as much per point), and only as long as the circular
 correlation needs to wrap zeros onto zeros: U rows of a phase less the fewer of its leading and trailing padding
-rows (``ConvSpec.fft_phases``; the docs' "Derivation" page).
+rows (``sizing.fft_phase``; the docs' "Derivation" page).
 
 A gradient is a plan (``plan``: shapes only, the steps ``explain`` shows) run by ``execute``. Work is chunked
-over groups and samples (``ConvSpec.fft_chunks``) so that one chunk's spectra hold about ``ConvSpec.fft_budget``
+over groups and samples (``chunking.chunks``) so that one chunk's spectra hold about ``chunking.chunk_budget``
 reals (a quarter of the layer's x and y, the smaller of them on depthwise layers), and a dense layer's kernel spectra
-a slice of rows at a time (``spec.chunks.fft_kernel_rows``: no more than one chunk's budget). Every op is
+a slice of rows at a time (``chunking.kernel_rows``: no more than one chunk's budget). Every op is
 differentiable (pad, index_select, rfftn, products, irfftn, slicing), so gradients of any order come from autograd.
 Half precision is computed in float32.
 
-The package: ``plans`` (shapes only: the steps), ``transforms`` (each step on tensors), ``execute`` (chunks),
+The package: ``sizing`` and ``chunking`` (integers only, no torch: the transform geometry over a ``ConvSpec`` and the
+chunks), ``program`` (a plan as data: steps, loops, their text and code), ``plans`` (shapes only: each result's
+steps and loops, the fused backward's too), ``ops`` (each step's operation on tensors and the sentence it is),
+``transforms`` (the transforms, phases and per-bin products the ops call), ``execute`` (the one interpreter),
 ``cost`` (auto's cost model and check's error bound), and here the registered backend.
 """
 
@@ -33,12 +36,13 @@ import torch
 
 from convgrad.backends import Backend, register
 from convgrad.backends.fft.cost import BOUND_UNITS, MIN_TAPS, estimate_flops, normwise_bound, worth_trying
-from convgrad.backends.fft.execute import execute, execute_backward, shares_spectra
-from convgrad.backends.fft.plans import FftPlan, FftStep, plan
+from convgrad.backends.fft.execute import execute, execute_backward
+from convgrad.backends.fft.plans import backward_plan, plan, shares_spectra
+from convgrad.backends.fft.program import FftPlan, FftStep
 from convgrad.backends.planning import planned
 from convgrad.spec import ConvSpec
 
-__all__ = ["BOUND_UNITS", "MIN_TAPS", "FftBackend", "FftPlan", "FftStep", "estimate_flops", "execute",
+__all__ = ["BOUND_UNITS", "MIN_TAPS", "FftBackend", "FftPlan", "FftStep", "backward_plan", "estimate_flops", "execute",
            "execute_backward", "normwise_bound", "plan", "shares_spectra", "worth_trying"]
 
 

@@ -6,12 +6,13 @@ import math
 
 import torch
 
+from convgrad.backends.fft import sizing
 from convgrad.spec import ConvSpec
 
 __all__ = ["BOUND_UNITS", "MIN_TAPS", "estimate_flops", "normwise_bound", "worth_trying"]
 
-# Below this many taps (a 7x7 kernel has 49) the transforms cost more than the direct sums they replace, on any
-# layer: auto does not try fft there (a ResNet or a ConvNeXt tunes as before).
+# auto does not try fft below this many taps (a 7x7 kernel has 49): on the large suite's 3x3 and 7x7 layers another
+# backend beat it (benchmarks/results/large_kernels.md, `python benchmarks/large_kernels.py --threads 2`)
 MIN_TAPS = 64
 
 
@@ -30,10 +31,10 @@ def estimate_flops(spec: ConvSpec) -> tuple[float, float]:
         >>> direct / fft > 4
         True
     """
-    dims = spec.fft_phases
-    p = spec.fft_phase_count
+    dims = sizing.phases(spec)
+    p = sizing.phase_count(spec)
     volume = math.prod([d.size for d in dims])
-    bins = spec.fft_bins
+    bins = sizing.bins(spec)
     n, cx, cy, cxg = spec.batch, spec.x_channels, spec.y_channels, spec.x_group_channels
     transforms = 2 * (n * cy + n * cx * p) + 2 * cy * cxg * p
     products = 2 * n * cy * cxg * p * bins
@@ -95,5 +96,6 @@ def normwise_bound(spec: ConvSpec, input: torch.Tensor, weight: torch.Tensor, gr
     gi = torch.einsum("ngb,gab->", x2, w1) if spec.transposed else torch.einsum("nga,gab->", y2, w1)
     gw = torch.einsum("ngb,nga->", x2, y1)
     computed = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    scale = BOUND_UNITS * torch.finfo(computed).eps / 2 * math.log2(max(2, math.prod(d.size for d in spec.fft_phases)))
+    volume = math.prod(d.size for d in sizing.phases(spec))
+    scale = BOUND_UNITS * torch.finfo(computed).eps / 2 * math.log2(max(2, volume))
     return {"grad_input": float(scale * gi), "grad_weight": float(scale * gw)}

@@ -7,9 +7,9 @@ then, as in grad_weight's plan (``plan(spec, "grad_weight")``, whose transform s
 inverse transform, the first Q lags and each tap read from its slot, per sample. No im2col of T columns: a
 depthwise 31x31 layer on 28x28 costs 3 transforms of 45x48 points per (sample, channel), not 961 x 784 multiply-adds.
 
-Work goes in chunks of (groups, samples, y channels) (``ConvSpec.fft_per_sample_chunks``) holding about a quarter
-of the layer's x and y, at least ``CHUNK_MIN_REALS`` reals (the backend's budget). ``sq_norms`` reduces each chunk
-as it comes, so norms never hold N x weight: their peak stays within the layer's plain backward
+Work goes in chunks of (groups, samples, y channels) (``chunking.per_sample_chunks``) holding about a quarter
+of the layer's x and y, at least ``chunking.CHUNK_MIN_REALS`` reals (the backend's budget). ``sq_norms`` reduces
+each chunk as it comes, so norms never hold N x weight: their peak stays within the layer's plain backward
 (benchmarks/per_sample_memory.py). Real dtypes only; half precision is computed in float32.
 """
 
@@ -20,9 +20,10 @@ from collections.abc import Iterator
 
 import torch
 
+from convgrad.backends.fft import chunking, sizing
 from convgrad.backends.fft import transforms as tf
 from convgrad.backends.fft.cost import MIN_TAPS
-from convgrad.backends.fft.plans import CHUNK_MIN_REALS, plan
+from convgrad.backends.fft.plans import plan
 from convgrad.backends.planning import planned
 from convgrad.spec import ConvSpec
 from convgrad.spec.chunks import chunk_ranges
@@ -39,7 +40,7 @@ def _blocks(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[
     dims, sizes, nd = p.dims, p.sizes, spec.n
     a, b0, b = p.group_channels
     q = tuple(d.taps for d in dims)
-    gc, nc, ac = spec.fft_per_sample_chunks(p.phase_count, max(CHUNK_MIN_REALS, spec.side_elements // 4))
+    gc, nc, ac = chunking.per_sample_chunks(spec, p.phase_count, max(chunking.CHUNK_MIN_REALS, spec.side_elements // 4))
     for g0, g1 in chunk_ranges(spec.groups, gc):
         for n0, n1 in chunk_ranges(spec.batch, nc):
             n, g = n1 - n0, g1 - g0
@@ -138,10 +139,10 @@ def estimate_flops(spec: ConvSpec) -> float:
         >>> round(spec.macs() / (estimate_flops(spec) / 2))  # direct MACs per fft multiply-add
         8
     """
-    dims = spec.fft_phases
-    p = spec.fft_phase_count
+    dims = sizing.phases(spec)
+    p = sizing.phase_count(spec)
     volume = math.prod([d.size for d in dims])
-    bins = spec.fft_bins
+    bins = sizing.bins(spec)
     n, cx, cy = spec.batch, spec.x_channels, spec.y_channels
     products = n * cy * spec.x_group_channels * p
     transforms = n * (cx * p + cy) + products

@@ -1,111 +1,30 @@
-"""The fft backend's plans: from a ``ConvSpec`` (shapes only) the steps of one result, which ``explain`` shows.
+"""The fft backend's plans: from a ``ConvSpec`` (shapes only) the steps of one result, or of both gradients.
 
-A plan names its kind (KINDS: which side is computed from which), the polyphase split of every dim
-(``ConvSpec.fft_phases``), the chunks (groups, samples, and the kernel rows of one group a dense layer's spectra
-are split into) and its steps: pad, phases, taps, transform, product, inverse, crop.
+``plan`` sizes the chunks (``chunking``) and lists the steps of its kind (KINDS: which side is computed from which):
+per chunk of groups, samples and kernel rows, the phases and transforms of the operands, the product per bin, the
+sum over chunks, the inverse and its crop (the plan as data: ``program``). The fused backward (``backward_plan``,
+``fuse``) is one plan with two outputs, grad_output transformed once per chunk for both products.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import replace
 from functools import lru_cache
+from typing import Any
 
+from convgrad.backends.fft import chunking, sizing
+from convgrad.backends.fft.program import FftPlan, FftStep, Loop
+from convgrad.backends.native import weight_scratch
 from convgrad.errors import ConvgradValueError
-from convgrad.spec import ConvSpec, FftDim, Pair, pad_to_rows
-from convgrad.spec.chunks import fft_kernel_rows
+from convgrad.spec import ConvSpec
+from convgrad.spec.chunks import chunk_ranges
 
-__all__ = ["CHUNK_MIN_REALS", "KINDS", "WEIGHT_SCRATCH_RATIO", "FftPlan", "FftStep", "plan"]
+__all__ = ["FUSED_KINDS", "KINDS", "backward_plan", "fuse", "plan", "shares_spectra"]
 
 Shape = tuple[int, ...]
 KINDS = ("y_from_x", "x_from_y", "w_from_xy")
-# One chunk's spectra hold about ConvSpec.fft_budget(CHUNK_MIN_REALS) reals: a quarter of the layer's x and y, the
-# smaller of them on depthwise layers, at least this many (each call's peak under 1.8x native's: fft_memory.md).
-CHUNK_MIN_REALS = 2**18
-# grad_weight's native peak is a scratch that does not grow with the batch (``ConvSpec.native_weight_scratch``, a
-# lower bound: one channel's taps over one plane of y and 4 weights), far under a quarter of x and y on depthwise
-# layers of small kernels and large planes; so a grad_weight chunk also holds, counted as the profiler saw it held
-# (``ConvSpec.fft_weight_chunks``: 4 spectra per depthwise sample and group), at most this many times that scratch
-# (issue 28's 2x), or CHUNK_MIN_REALS on small layers (few chunks, both gradients in one pass). fft_memory.md:
-# ConvNeXt 7x7 1 group of 16 samples a chunk (1.33x; 2 went 2.64x), 3D UX-Net 2 groups of 54^3 bins (1.49x; 3
-# model 2.29x; 1 ran 1.1x slower in the 64-weight rule's timing), no other layer's chunks change
-WEIGHT_SCRATCH_RATIO = 2
-
-
-@dataclass(frozen=True)
-class FftStep:
-    """One step of an fft plan: its name (pad, phases, transform, product, inverse, crop, taps), what it does,
-    and the shape of the tensor after it."""
-
-    name: str
-    text: str
-    shape: Shape
-    lines: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        return f"{self.name}: {self.text} -> {self.shape}"
-
-    def code(self) -> list[str]:
-        """The step's lines of the plan's script (``FftPlan.code``): torch and the package's transforms."""
-        return list(self.lines)
-
-
-@dataclass(frozen=True)
-class FftPlan:
-    """The plan of one result (``gradient``: grad_input, grad_weight or output) by the convolution theorem."""
-
-    gradient: str
-    spec: ConvSpec
-    kind: str  # one of KINDS
-    dims: tuple[FftDim, ...]
-    chunks: tuple[int, int]  # (groups, samples) per chunk
-    steps: tuple[FftStep, ...]
-    phase_count: int  # P, the live phases: spec.fft_phase_count, held because execute reads it per chunk
-    method: str = "fft"
-    rows: int = 0  # kernel rows (y channels of one group) whose spectra are held at once; 0: all of them
-
-    @property
-    def row_chunk(self) -> int:
-        """The kernel rows per chunk: ``rows``, or all C_y/g when 0. Fewer than all only with one group per chunk."""
-        return self.rows or self.spec.y_group_channels
-
-    @property
-    def sizes(self) -> Shape:
-        return tuple(d.size for d in self.dims)
-
-    def bins(self, real: bool) -> Shape:
-        """The frequency bins of a transform of ``sizes``: the last dim halved (+1) for real data (rfftn)."""
-        return (*self.sizes[:-1], self.sizes[-1] // 2 + 1) if real else self.sizes
-
-    @property
-    def phase_zeros(self) -> tuple[Pair, ...]:
-        """Per dim the zero rows (c, e) around each phase's data rows in its L rows (``FftDim.phase_pads``): the pads
-        of the phases' transform, and the cuts of x's inverse before the phases are interleaved. A plain property:
-        Dynamo cannot trace the lock of a ``functools.cached_property`` (the fft backward under torch.compile)."""
-        return tuple(d.phase_pads(s)[1] for d, s in zip(self.dims, self.spec.stride))
-
-    def cuts_to(self, rows: Shape) -> tuple[Pair, ...]:
-        """The rows (0, L - r) cut off each dim's L rows to keep its first ``rows``: the inverse's cuts."""
-        return tuple(pad_to_rows((0, 0), r, n) for r, n in zip(rows, self.sizes))
-
-    @property
-    def group_channels(self) -> tuple[int, int, int]:
-        """(A, B0, B): y channels per group, x channels per group, and x channels per group times the live phases."""
-        b0 = self.spec.x_group_channels
-        return self.spec.y_group_channels, b0, b0 * self.phase_count
-
-    def describe(self) -> str:
-        return "\n".join(f"{j + 1}. {s.describe()}" for j, s in enumerate(self.steps))
-
-    def code(self) -> list[str]:
-        """A runnable script of the plan for real data, one chunk: it reads ``x`` and ``w`` (y_from_x), ``y`` and
-        ``w`` (x_from_y) or ``x`` and ``y`` (w_from_xy) and leaves the result in ``out``."""
-        a, _, b = self.group_channels
-        n, g = self.spec.batch, self.spec.groups
-        head = ["import torch", "from convgrad.backends.fft import transforms as tf",
-                "from convgrad.spec import FftDim", f"dims = {self.dims!r}",
-                f"sizes, stride, n, g, A, B = {self.sizes}, {self.spec.stride}, {n}, {g}, {a}, {b}",
-                f"bins = {(*self.sizes[:-1], self.sizes[-1] // 2 + 1)}"]
-        return head + [line for step in self.steps for line in step.code()]
+FUSED_KINDS = ("both_from_y", "both_from_x")  # a forward conv's backward (grad_output is y), a transposed conv's (x)
 
 
 # pure (a frozen ConvSpec in, a frozen FftPlan out) and read 2-3 times a backward: cached, as fwdconv's plans are;
@@ -114,9 +33,9 @@ class FftPlan:
 def plan(spec: ConvSpec, gradient: str) -> FftPlan:
     """The plan of ``gradient`` (grad_input, grad_weight, or output: the convolution itself) for ``spec``.
 
-    Chunks (``ConvSpec.fft_chunks``) hold about ``spec.fft_budget(CHUNK_MIN_REALS)`` reals of spectra;
-    grad_weight's also no more than ``WEIGHT_SCRATCH_RATIO`` times native's scratch, at least ``CHUNK_MIN_REALS``
-    (``ConvSpec.fft_weight_chunks``).
+    Chunks (``chunking.chunks``) hold about ``chunking.chunk_budget(spec, chunking.CHUNK_MIN_REALS)`` reals of
+    spectra; grad_weight's also no more than ``chunking.WEIGHT_SCRATCH_RATIO`` times native's scratch
+    (``native.weight_scratch``), at least ``chunking.CHUNK_MIN_REALS`` (``chunking.weight_chunks``).
 
     Raises:
         ValueError: an unknown gradient.
@@ -125,7 +44,7 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
         >>> from convgrad.spec import ConvSpec
         >>> p = plan(ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256), "output")
         >>> p.kind, p.sizes, [s.name for s in p.steps]
-        ('y_from_x', (45, 48), ['pad', 'phases', 'taps', 'transform', 'product', 'inverse', 'crop'])
+        ('y_from_x', (45, 48), ['taps', 'result', 'transform', 'transform', 'product', 'inverse', 'write', 'result'])
         >>> uxnet = ConvSpec.from_shapes((1, 48, 48, 48, 48), (48, 1, 7, 7, 7), padding=3, groups=48)
         >>> plan(uxnet, "output").chunks, plan(uxnet, "grad_weight").chunks
         ((10, 1), (2, 1))
@@ -134,83 +53,262 @@ def plan(spec: ConvSpec, gradient: str) -> FftPlan:
              "output": "x_from_y" if spec.transposed else "y_from_x"}
     if gradient not in kinds:
         raise ConvgradValueError(f"fft.plan: gradient={gradient!r} must be one of {sorted(kinds)}")
-    kind, dims = kinds[gradient], spec.fft_phases
-    p = spec.fft_phase_count
-    budget = spec.fft_budget(CHUNK_MIN_REALS)
-    chunks = spec.fft_chunks(p, budget)
+    kind, dims = kinds[gradient], sizing.phases(spec)
+    p = sizing.phase_count(spec)
+    least = chunking.CHUNK_MIN_REALS
+    budget = chunking.chunk_budget(spec, least)
+    chunks = chunking.chunks(spec, p, budget)
     if gradient == "grad_weight":  # never more groups or samples than the side's budget gives
-        most = spec.fft_weight_chunks(p, max(CHUNK_MIN_REALS, WEIGHT_SCRATCH_RATIO * spec.native_weight_scratch))
+        most = chunking.weight_chunks(spec, p, max(least, chunking.WEIGHT_SCRATCH_RATIO * weight_scratch(spec)))
         chunks = (min(chunks[0], most[0]), min(chunks[1], most[1]))
     a, b = spec.y_group_channels, spec.x_group_channels * p
     # a group's kernel spectra over the chunk budget (C_y/g (C_x/g) P F complex) are held a slice of rows at a time,
     # so that fft's peak stays near native's (issue 28's memory target)
-    rows, samples = fft_kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
+    rows, samples = chunking.kernel_rows(tuple(d.size for d in dims), a, b, spec.batch, budget)
     if rows < a:
         chunks = (1, samples)
     bare = FftPlan(gradient, spec, kind, dims, chunks, (), p, rows=rows)
-    return replace(bare, steps=_steps(bare))
+    return _BUILD[kind](bare)
 
 
-def _steps(plan: FftPlan) -> tuple[FftStep, ...]:
-    spec, kind, dims, p = plan.spec, plan.kind, plan.dims, plan.phase_count
-    n, cx, cy, g, nd = spec.batch, spec.x_channels, spec.y_channels, spec.groups, spec.n
-    q, sizes, zeros = tuple(d.taps for d in dims), plan.sizes, plan.phase_zeros
-    _, b0, b = plan.group_channels
-    phases = tuple(d.phases for d in dims)
-    whole = tuple(d.phase_pads(s)[0] for d, s in zip(dims, spec.stride))
-    rows = tuple(d.whole_rows(s) for d, s in zip(dims, spec.stride))  # M per phase
-    pruned = ("pruned on large grids where the data fills few of the rows before the last dim (transforms.PRUNE_FILL): "
-              "the last dim first over the data's rows only, then each earlier dim, each padded as it is reached")
-    inverse = ("inverse transform and cut, pruned on large grids (transforms.PRUNE_MIN_POINTS): the earlier dims "
-               "first, each cut to its kept rows before the next, the last dim on the remaining rows only")
-    if nd == 1:  # pruning transforms the earlier dims apart from the last: a 1d grid has none (transforms._pays)
-        pruned, inverse = "one real FFT per row", "inverse transform and cut"
-    x_steps = (FftStep("pad", f"pad x by {whole} (negative = crop) to stride * M rows, M = {rows} whole rows a phase",
-                       (n, cx, *(s * r for s, r in zip(spec.stride, rows))),
-                       ("xs = tf.to_phases(x, dims, stride)  # pad, then the phases as channels: (n, C_x*P, *M)",)),
-               FftStep("phases", f"split x into the live phases {phases} of stride {spec.stride}, as channels",
-                       (n, cx * p, *rows)))
-    w_steps = (FftStep("taps", f"place each tap t at slot (phase, t*d div s) of a {q} kernel per phase",
-                       (cy, b, *q), ("wp = tf.place_taps(w, dims)  # (C_y, B, *Q)",)),)
-    contraction = f"per bin, {g} groups as a batch dim"
-    if kind == "y_from_x":
-        cuts = plan.cuts_to(spec.y_size)
-        return (*x_steps, *w_steps,
-                FftStep("transform", f"transform x (each phase padded by {zeros} zero rows) and the kernel to {sizes} "
-                        f"bins; {pruned}", (n, cx * p, *sizes),
-                        (f"xf = tf.forward_transform(xs, sizes, {zeros}).reshape(n, g, B, -1)  # (n, g, B, F)",
-                         f"wf = tf.reversed_spectrum(tf.forward_transform(wp, sizes), {nd}, True)",
-                         "wf = wf.reshape(g, A, B, -1)  # (g, A, B, F)")),
-                FftStep("product", f"Y[n,a] = sum_b X[n,b] W(-f)[a,b], {contraction}", (n, cy, *sizes),
-                        ("yf = tf.y_bins(xf, wf).reshape(n, g * A, *bins)  # (n, C_y, *bins)",)),
-                FftStep("inverse", f"{inverse}: cuts {cuts}", spec.y_shape,
-                        (f"out = tf.inverse_transform(yf, sizes, True, {cuts})  # (n, C_y, *o)",)),
-                FftStep("crop", f"keep the first o = {spec.y_size} rows (the stride-1 correlation): the inverse's cuts",
-                        spec.y_shape))
-    if kind == "x_from_y":
-        return (*w_steps,
-                FftStep("transform", f"transform y and the kernel to {sizes} bins (zero-padded); {pruned}",
-                        (n, cy, *sizes),
-                        ("yf = tf.forward_transform(y, sizes).reshape(n, g, A, -1)  # (n, g, A, F)",
-                         "wf = tf.forward_transform(wp, sizes).reshape(g, A, B, -1)  # (g, A, B, F)")),
-                FftStep("product", f"X[n,b] = sum_a Y[n,a] W[a,b], {contraction}", (n, cx * p, *sizes),
-                        ("xf = tf.x_bins(yf, wf).reshape(n, g * B, *bins)  # (n, C_x*P, *bins)",)),
-                FftStep("inverse", f"{inverse}: each phase's M = {rows} rows, its zero rows {zeros} cut",
-                        (n, cx * p, *rows),
-                        (f"xs = tf.inverse_transform(xf, sizes, True, {zeros})  # (n, C_x*P, *M)",)),
-                FftStep("phases", "interleave the phases (zeros in those no tap reaches) and crop the pads",
-                        spec.x_shape, (f"out = tf.from_phases(xs, dims, stride, {cx})  # (n, C_x, *i)",)))
-    cuts = plan.cuts_to(q)
-    return (*x_steps,
-            FftStep("transform", f"transform x (each phase padded by {zeros} zero rows) and y to {sizes} bins; "
-                    f"{pruned}", (n, cx * p, *sizes),
-                    (f"xf = tf.forward_transform(xs, sizes, {zeros}).reshape(n, g, B, -1)  # (n, g, B, F)",
-                     f"yf = tf.reversed_spectrum(tf.forward_transform(y, sizes), {nd}, True).reshape(n, g, A, -1)")),
-            FftStep("product", f"W[a,b] = sum_n Y(-f)[n,a] X[n,b], {contraction}", (cy, b, *sizes),
-                    ("wf = tf.w_bins(xf, yf).reshape(g * A, B, *bins)  # (C_y, B, *bins)",)),
-            FftStep("inverse", f"{inverse}: cuts {cuts}", (cy, b, *q),
-                    (f"wq = tf.inverse_transform(wf, sizes, True, {cuts})  # (C_y, B, *Q)",)),
-            FftStep("crop", f"keep the first Q = {q} slots (the correlation's lags): the inverse's cuts",
-                    (cy, b, *q)),
-            FftStep("taps", "read each tap t from its slot", spec.weight_shape,
-                    (f"out = tf.read_taps(wq, dims, {b0})  # (C_y, C_x/g, *k)",)))
+def shares_spectra(pi: FftPlan, pw: FftPlan) -> bool:
+    """Whether grad_input's plan ``pi`` and grad_weight's ``pw`` can run as one pass (``backward_plan``).
+
+    They can with the same sample chunks and transform sizes, and each group's kernel rows one chunk. A dense layer
+    sliced by kernel rows (``FftPlan.row_chunk`` < A) cannot: x's spectra summed over the row slices for grad_input,
+    the weight's over the sample chunks for grad_weight, one of them would be held whole beside the other's slices.
+    The pass runs ``pi``'s chunks: ``pw``'s may hold fewer groups (``chunking.WEIGHT_SCRATCH_RATIO``, for grad_weight
+    alone, whose native peak is a scratch), whereas native's backward of both holds grad_input's result too.
+
+    Args:
+        pi: grad_input's plan, ``plan(spec, "grad_input")``.
+        pw: grad_weight's plan of the same spec, ``plan(spec, "grad_weight")``.
+
+    Returns:
+        bool; False for a batch of 0 (nothing to transform).
+
+    Examples:
+        >>> from convgrad.backends.fft import plan
+        >>> from convgrad.spec import ConvSpec
+        >>> def shared(spec): return shares_spectra(plan(spec, "grad_input"), plan(spec, "grad_weight"))
+        >>> depthwise = ConvSpec.from_shapes((4, 256, 28, 28), (256, 1, 31, 31), padding=15, groups=256)
+        >>> dense = ConvSpec.from_shapes((2, 64, 28, 28), (64, 64, 31, 31), padding=15)
+        >>> shared(depthwise), plan(dense, "grad_input").row_chunk, shared(dense)   # dense: one kernel row a slice
+        (True, 1, False)
+    """
+    a = pi.group_channels[0]
+    return (pi.chunks[1] == pw.chunks[1] and pi.sizes == pw.sizes and pi.row_chunk == pw.row_chunk == a > 0
+            and pi.spec.batch > 0)
+
+
+@lru_cache(maxsize=512)
+def backward_plan(spec: ConvSpec) -> FftPlan | None:
+    """Both gradients of ``spec`` in one pass (``fuse`` of its grad_input and grad_weight plans), or None where they
+    do not share their spectra (``shares_spectra``). Cached, as ``plan`` is.
+
+    Examples:
+        >>> from convgrad.spec import ConvSpec
+        >>> both = backward_plan(ConvSpec.from_shapes((2, 4, 30), (4, 1, 9), padding=4, groups=4))
+        >>> both.kind, both.outputs, [loop.name for loop in both.loops]
+        ('both_from_y', ('grad_input', 'grad_weight'), ['groups', 'samples'])
+    """
+    pi, pw = plan(spec, "grad_input"), plan(spec, "grad_weight")
+    return fuse(pi, pw) if shares_spectra(pi, pw) else None
+
+
+# ---- the steps of each kind ---------------------------------------------------------------------------------------
+class _Steps:
+    """The steps of one plan as they are added, each at a depth; the shapes declared are the first chunk's."""
+
+    def __init__(self, p: FftPlan) -> None:
+        spec = p.spec
+        self.p = p
+        self.steps: list[FftStep] = []
+        self.a, self.b0, self.b = p.group_channels
+        self.g = min(p.chunks[0], spec.groups)  # groups, samples and kernel rows of the first chunk
+        self.n = min(p.chunks[1], spec.batch)
+        self.r = min(p.row_chunk, self.a)
+        self.bins = p.bins(True)
+        self.f = math.prod(self.bins)
+        self.taps = tuple(d.taps for d in p.dims)
+        self.rows = tuple(d.whole_rows(s) for d, s in zip(p.dims, spec.stride))  # M per phase
+
+    def add(self, depth: int, name: str, op: str, reads: tuple[str, ...], writes: str, declared: Shape,
+            **args: Any) -> None:
+        self.steps.append(FftStep(name, op, reads, writes, tuple(args.items()), declared, depth))
+
+    # the steps that recur, at a depth
+    def placed(self) -> str:
+        """The phase kernels placed once where a group's kernel rows are one chunk ("kernel"); else the weight
+        itself ("w"), each row slice placed as it is transformed (the placed whole is the weight's size again)."""
+        if self.p.row_chunk < self.a:
+            return "w"
+        self.add(0, "taps", "place_taps", ("w",), "kernel", (self.p.spec.y_channels, self.b, *self.taps),
+                 dims=self.p.dims)
+        return "kernel"
+
+    def start(self, depth: int, writes: str, what: str) -> None:
+        """An empty register (a sum, a list) that the steps after it fill."""
+        self.add(depth, "start", "start", (), writes, (), what=what)
+
+    def kernel(self, depth: int, source: str, reverse: bool, resolve: bool = False, rows: int | None = None) -> None:
+        p = self.p
+        self.add(depth, "transform", "kernel_spectra", (source, "real", "g", "r"), "wf",
+                 (self.g, rows or self.r, self.b, self.f), a=self.a, b=self.b, dims=p.dims, sizes=p.sizes,
+                 place=p.row_chunk < self.a, reverse=reverse, resolve=resolve)
+
+    def x(self, depth: int, writes: str, samples: int, bins_major: bool = False) -> None:
+        p = self.p
+        self.add(depth, "transform", "x_spectra", ("x", "n", "g"), writes, (samples, self.g, self.b, self.f),
+                 b0=self.b0, b=self.b, dims=p.dims, stride=p.spec.stride, sizes=p.sizes, zeros=p.phase_zeros,
+                 bins_major=bins_major)
+
+    def y(self, depth: int, writes: str, reverse: bool, rows: int | None = None) -> None:
+        self.add(depth, "transform", "y_spectra", ("y", "real", "n", "g", "r"), writes,
+                 (self.n, self.g * (rows or self.r), *self.bins), a=self.a, sizes=self.p.sizes, reverse=reverse)
+
+    def x_side(self, depth: int, spectra: str, out: str) -> None:
+        """x's spectra -> its chunk, written into the result ``out``."""
+        p, spec = self.p, self.p.spec
+        self.add(depth, "inverse", "x_inverse", (spectra, "real"), "xs", (self.n, self.g * self.b, *self.rows),
+                 sizes=p.sizes, cuts=p.phase_zeros)
+        self.add(depth, "phases", "from_phases", ("xs", "g"), "xc", (self.n, self.g * self.b0, *spec.x_size),
+                 dims=p.dims, stride=spec.stride, b0=self.b0)
+        self.add(depth, "write", "write_groups", (out, "xc", "n", "g"), out, spec.x_shape, b0=self.b0)
+
+    def w_side(self, depth: int, total: str, conj_real: bool = False) -> None:
+        """The weight's summed spectra -> its rows' phase kernels, kept for the taps read at the end."""
+        p = self.p
+        self.add(depth, "inverse", "w_inverse", (total, "real"), "wq", (self.g * self.r, self.b, *self.taps),
+                 sizes=p.sizes, cuts=p.cuts_to(self.taps), conj_real=conj_real)
+        self.add(depth, "collect", "collect", ("parts", "wq"), "parts", (self.g * self.r, self.b, *self.taps))
+
+    def loops(self, *order: str) -> tuple[Loop, ...]:
+        spec, p = self.p.spec, self.p
+        table = {"groups": ("g", spec.groups, p.chunks[0]), "samples": ("n", spec.batch, p.chunks[1]),
+                 "kernel rows": ("r", self.a, p.row_chunk)}
+        return tuple(Loop(name, table[name][0], (0, table[name][1]), tuple(chunk_ranges(*table[name][1:])))
+                     for name in order)
+
+    def done(self, loops: tuple[Loop, ...], inputs: tuple[str, ...], **fields: Any) -> FftPlan:
+        return replace(self.p, steps=tuple(self.steps), loops=loops, inputs=inputs, **fields)
+
+
+def _several(p: FftPlan) -> bool:
+    """Whether the plan runs in more than one chunk (of groups, samples or kernel rows)."""
+    return p.chunks[0] < p.spec.groups or p.chunks[1] < p.spec.batch or p.row_chunk < p.group_channels[0]
+
+
+def _build_y_from_x(p: FftPlan) -> FftPlan:
+    """y = the correlation of x with the kernel: per chunk of groups, samples, then kernel rows."""
+    s, spec = _Steps(p), p.spec
+    whole, samples = p.row_chunk >= s.a, len(chunk_ranges(spec.batch, p.chunks[1]))
+    kernel = s.placed()
+    s.add(0, "result", "result", ("x", "w"), "result", spec.y_shape, shape=spec.y_shape, several=_several(p))
+    if whole:  # the kernel spectra of the chunk's groups, shared by its sample chunks
+        s.kernel(1, kernel, True, resolve=samples > 1 and s.b == 1)
+    s.x(2, "xf", s.n, bins_major=not whole and s.b > 1)
+    if not whole:
+        s.kernel(3, kernel, True)
+    s.add(3, "product", "y_product", ("xf", "wf", "real", "n", "g", "r"), "yf", (s.n, s.g * s.r, *s.bins),
+          groups=spec.groups, sizes=p.sizes)
+    s.add(3, "inverse", "inverse", ("yf", "real"), "yc", (s.n, s.g * s.r, *spec.y_size), sizes=p.sizes,
+          cuts=p.cuts_to(spec.y_size))
+    s.add(3, "write", "write_rows", ("result", "yc", "n", "g", "r"), "result", spec.y_shape, a=s.a)
+    s.add(0, "result", "finish", ("result",), "out", spec.y_shape)
+    return s.done(s.loops("groups", "samples", "kernel rows"), ("x", "w"))
+
+
+def _build_x_from_y(p: FftPlan) -> FftPlan:
+    """x = the adjoint correlation of y with the kernel: per chunk of groups and samples, x's spectra summed over
+    the kernel-row chunks (each slice's spectra of y and of the kernel made and dropped in turn)."""
+    s, spec = _Steps(p), p.spec
+    whole = p.row_chunk >= s.a
+    kernel = s.placed()
+    s.add(0, "result", "result", ("y", "w"), "result", spec.x_shape, shape=spec.x_shape, several=_several(p))
+    if whole:
+        s.kernel(1, kernel, False)
+    s.start(2, "xf", "x's spectra, summed over the kernel-row chunks")
+    s.y(3, "yf", False)
+    if not whole:
+        s.kernel(3, kernel, False)
+    s.add(3, "product", "x_product", ("yf", "wf", "n", "g", "r"), "term", (s.n, s.g, s.b, s.f), groups=spec.groups)
+    s.add(3, "sum", "accumulate", ("xf", "term"), "xf", (s.n, s.g, s.b, s.f), over="kernel rows")
+    s.x_side(2, "xf", "result")
+    s.add(0, "result", "finish", ("result",), "out", spec.x_shape)
+    return s.done(s.loops("groups", "samples", "kernel rows"), ("y", "w"))
+
+
+def _build_w_from_xy(p: FftPlan) -> FftPlan:
+    """w = the correlation of x with y over the samples: per chunk of groups and kernel rows, the weight's spectra
+    summed over the sample chunks; x's spectra made once per group chunk where the samples are one chunk."""
+    s, spec = _Steps(p), p.spec
+    one = len(chunk_ranges(spec.batch, p.chunks[1])) == 1
+    s.start(0, "parts", "the weight's row chunks")
+    if one:  # x's spectra shared by every kernel-row chunk, laid out bins-major once where they are several
+        s.x(1, "xf", spec.batch, bins_major=len(chunk_ranges(s.a, p.row_chunk)) > 1 and s.b > 1)
+    s.start(2, "wsum", "the weight's spectra, summed over the sample chunks")
+    if not one:
+        s.x(3, "xf", s.n)
+    s.y(3, "yf", True)
+    s.add(3, "product", "w_product", ("xf", "yf", "n", "g", "r"), "term", (s.g, s.r, s.b, s.f), groups=spec.groups)
+    s.add(3, "sum", "accumulate", ("wsum", "term"), "wsum", (s.g, s.r, s.b, s.f), over="samples")
+    s.w_side(2, "wsum")
+    s.add(0, "taps", "read_taps", ("parts",), "out", spec.weight_shape, dims=p.dims, b0=s.b0)
+    return s.done(s.loops("groups", "kernel rows", "samples"), ("x", "y"))
+
+
+_BUILD = {"y_from_x": _build_y_from_x, "x_from_y": _build_x_from_y, "w_from_xy": _build_w_from_xy}
+
+
+def fuse(pi: FftPlan, pw: FftPlan) -> FftPlan:
+    """grad_input's and grad_weight's plans of one spec as one pass: grad_output's spectrum made once per chunk of
+    ``pi`` and read by both products. A forward conv's grad_output is y: its Y feeds X' = sum_a Y W (grad_input) and
+    W' = sum_n ~Y X; a transposed conv's is x: its X feeds Y = sum_b X ~W and W'.
+
+    Args:
+        pi, pw: ``plan(spec, "grad_input")`` and ``plan(spec, "grad_weight")``, which ``shares_spectra``.
+
+    Returns:
+        FftPlan with gradient "backward", inputs (grad_output's side, input's side, "w"), outputs ("grad_input",
+        "grad_weight") and ``parts`` (pi, pw).
+    """
+    s, spec = _Steps(pi), pi.spec
+    s.add(0, "taps", "place_taps", ("w",), "kernel", (spec.y_channels, s.b, *s.taps), dims=pi.dims)
+    s.start(0, "parts", "the weight's row chunks")
+    if pi.kind == "x_from_y":  # a forward conv: y = grad_output shared, x = input
+        s.add(0, "result", "result", ("y", "w"), "result", spec.x_shape, shape=spec.x_shape, several=_several(pi))
+        s.kernel(1, "kernel", False)
+        s.start(1, "wsum", "the weight's spectra, summed over the sample chunks")
+        s.y(2, "yf", False)
+        s.add(2, "product", "x_product", ("yf", "wf", "n", "g", "r"), "xf", (s.n, s.g, s.b, s.f), groups=spec.groups)
+        s.x_side(2, "xf", "result")
+        s.x(2, "xw", s.n)
+        s.add(2, "conj", "conj_if_real", ("xw", "real"), "xw", (s.n, s.g, s.b, s.f))
+        s.add(2, "reverse", "reverse_if_complex", ("yf", "real"), "yr", (s.n, s.g * s.a, *s.bins), sizes=pi.sizes)
+        s.add(2, "product", "w_product", ("xw", "yr", "n", "g", "r"), "term", (s.g, s.a, s.b, s.f),
+              groups=spec.groups)
+        s.add(2, "sum", "accumulate", ("wsum", "term"), "wsum", (s.g, s.a, s.b, s.f), over="samples")
+        s.w_side(1, "wsum", conj_real=True)
+        kind, inputs = "both_from_y", ("y", "x", "w")
+    else:  # a transposed conv: x = grad_output shared, y = input
+        samples = len(chunk_ranges(spec.batch, pi.chunks[1]))
+        s.add(0, "result", "result", ("x", "w"), "result", spec.y_shape, shape=spec.y_shape, several=_several(pi))
+        s.kernel(1, "kernel", True, resolve=samples > 1 and s.b == 1)
+        s.start(1, "wsum", "the weight's spectra, summed over the sample chunks")
+        s.x(2, "xf", s.n)
+        s.add(2, "product", "y_product", ("xf", "wf", "real", "n", "g", "r"), "yf", (s.n, s.g * s.a, *s.bins),
+              groups=spec.groups, sizes=pi.sizes)
+        s.add(2, "inverse", "inverse", ("yf", "real"), "yc", (s.n, s.g * s.a, *spec.y_size), sizes=pi.sizes,
+              cuts=pi.cuts_to(spec.y_size))
+        s.add(2, "write", "write_rows", ("result", "yc", "n", "g", "r"), "result", spec.y_shape, a=s.a)
+        s.y(2, "ys", True)
+        s.add(2, "product", "w_product", ("xf", "ys", "n", "g", "r"), "term", (s.g, s.a, s.b, s.f),
+              groups=spec.groups)
+        s.add(2, "sum", "accumulate", ("wsum", "term"), "wsum", (s.g, s.a, s.b, s.f), over="samples")
+        s.w_side(1, "wsum")
+        kind, inputs = "both_from_x", ("x", "y", "w")
+    s.add(0, "result", "finish", ("result",), "grad_input", spec.input_shape)
+    s.add(0, "taps", "read_taps", ("parts",), "grad_weight", spec.weight_shape, dims=pw.dims, b0=s.b0)
+    return s.done(s.loops("groups", "samples"), inputs, gradient="backward", kind=kind,
+                  outputs=("grad_input", "grad_weight"), parts=(pi, pw))

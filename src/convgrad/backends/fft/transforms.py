@@ -15,24 +15,22 @@ from collections.abc import Sequence
 
 import torch
 
-from convgrad.spec import FftDim, Pair, pad_then_crop, pad_to_rows
+from convgrad.backends.fft.sizing import FftDim
+from convgrad.spec import Pair, pad_then_crop, pad_to_rows
 from convgrad.tensor_ops import crop, pad, sliced
 
 __all__ = ["PRUNE_FILL", "PRUNE_MIN_POINTS", "SMALL_PRODUCT", "forward_transform", "from_phases", "inverse_transform",
            "place_taps", "read_taps", "reversed_spectrum", "to_phases", "w_bins", "x_bins", "y_bins"]
 
 Shape = tuple[int, ...]
-# The per-bin product of at most this many (a, b) pairs is a broadcast product; above it, a batched matmul.
+# The measurements behind these thresholds: benchmarks/results/fft_transform_rules.md.
+# The per-bin product of at most this many (a, b) pairs is a broadcast product (one pass); above it, a batched matmul
 SMALL_PRODUCT = 4
-# The transforms are pruned (one dim at a time) only on at least this many points of the transform grid (the leading
-# dims times the product of L): each dim's own FFT call has its setup, which outweighs the rows it saves on a chunk
-# of a 2d layer (a 31x31 kernel's inverse, 19 groups of 45x48 = 41k points: 1.1x the time of one irfftn call; 256
-# groups, 553k points: 0.89x); a 3d chunk (7x7x7 in 54^3: 157k points a channel) gains 2-3x.
+# The transforms are pruned (one dim at a time) only on a grid of at least this many points (the leading dims times
+# the product of L): each dim's own FFT call has its setup, which outweighs the rows it saves on smaller grids
 PRUNE_MIN_POINTS = 2**18
 # The forward transform is pruned where, besides, the data fills at most this share of the rows the last dim's
-# transforms run over (the product of data extent / L over the dims before the last); above it one padded copy and
-# rfftn's single pass are faster (each dim's pad of the complex partial result and its own output cost more than the
-# rows saved: 30x30x30 data in 54^3 0.87x, 40x40x40 1.2x, 5x51 in 60x108 0.67x, 51x5 in 108x60 0.93x).
+# transforms run over; above it one padded copy and rfftn's single pass are faster
 PRUNE_FILL = 0.5
 
 
@@ -175,7 +173,7 @@ def read_taps(t: torch.Tensor, dims: tuple[FftDim, ...], b0: int) -> torch.Tenso
 # matmuls with an inner or outer size of 1.
 def _bins_major(t: torch.Tensor) -> torch.Tensor:
     """A per-bin matmul operand (g, F, rows, cols), contiguous: a batched matmul of permuted (strided) complex
-    operands runs several times slower on the CPU (2x to 5x on wav2letter's and HiFi-GAN's products, CPU time)."""
+    operands runs several times slower on the CPU (benchmarks/results/fft_transform_rules.md)."""
     return t.contiguous()
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from convgrad.backends.fwdconv import geometry as geo
-from convgrad.backends.fwdconv.plan import Contraction, commas, pad_code, slices
+from convgrad.backends.fwdconv.plan import Chain, Contraction, TensorOp, commas, pad_code
 from convgrad.backends.fwdconv.steps import new_like
 from convgrad.spec import Pair, Shape
 from convgrad.spec.chunks import PHASE_CHUNK_BYTES
@@ -208,16 +208,16 @@ class DepthwiseTaps:
 # ---- polyphase grad of x ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class TakeTaps:
+class TakeTaps(Chain):
     """Keep the taps first, first+step, ... (count of them) of the kernel in every spatial dim."""
 
     first: Shape
     step: Shape
     shape: Shape
 
-    def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        counts = self.shape[2:]
-        return w[(..., *(slice(f, f + s * (c - 1) + 1, s) for f, s, c in zip(self.first, self.step, counts)))]
+    def ops(self, shape: Shape) -> tuple[TensorOp, ...]:
+        taps = tuple(slice(f, f + s * (c - 1) + 1, s) for f, s, c in zip(self.first, self.step, self.shape[2:]))
+        return (TensorOp("index", (taps,), f"taps of this phase: {self.shape}"),)
 
     def describe(self) -> str:
         return f"keep the taps {', '.join(f'{f}::{s}' for f, s in zip(self.first, self.step))} of the flipped kernel"
@@ -228,9 +228,6 @@ class TakeTaps:
     def rows(self, dim: int, axis: geo.Geometry) -> geo.Geometry:
         f, s, c = self.first[dim], self.step[dim], self.shape[2 + dim]
         return geo.each(lambda a: geo.select(a, range(f, f + s * (c - 1) + 1, s)), axis)
-
-    def code(self, v: str, shape: Shape) -> list[str]:
-        return [f"{v} = {v}[..., {slices(self.first, self.step, self.shape[2:])}]  # taps of this phase: {self.shape}"]
 
 
 @dataclass(frozen=True)

@@ -31,29 +31,25 @@ from convgrad.backends.fwdconv.contractions import (
     TakeTaps,
     phase_rows,
 )
-from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, slices
+from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, index_text, pad_code
 from convgrad.backends.fwdconv.steps import Flip, Pad, Subsample, SwapGroupChannels, ZeroInsert, new_like, pad_or_fold
 from convgrad.errors import ConvgradValueError, MethodRefused
 from convgrad.spec import ConvSpec, Pair, PhaseTaps, Shape, output_rows, pad_split, padded_sizes, tap_rows
-from convgrad.tensor_ops import pad, pad_flat, sliced
+from convgrad.tensor_ops import pad, sliced
 
 __all__ = ["CHUNK_MAX_CHANNELS", "INPUT_METHODS", "SUBPIXEL_MAX_CHANNELS", "TAPS_MAX_PHASE_TAPS", "DepthToSpace",
            "SubpixelKernel", "input_method", "plan_forward", "plan_input_grad"]
 
-# Measured with benchmarks/fwdconv_methods.py (2-core AVX-512 CPU, oneDNN, float32, 1 and 2 threads; ratios to
-# native): sub-pixel's single conv wins when the layer has few input channels (ResNet stem: 3, wav2vec2's first
-# conv: 1; 0.37-0.63 vs polyphase 1.3-2.0); separate phases win for wide layers (ResNet 3x3/2: 0.45-1.09 vs
-# 0.64-1.4; 1x1/2: 0.25-0.58 vs 0.9-1.8), whose fused kernel multiplies many zero taps, and for depthwise ones
-# (0.43-1.56 vs 0.61-2.45), whose fused kernel has a channel multiplier that oneDNN runs slowly.
+# The measurements behind these thresholds: benchmarks/results/fwdconv_rules.md
+# (`python benchmarks/fwdconv_methods.py`).
+# Sub-pixel's single conv wins for few input channels; for wide or depthwise layers its fused kernel multiplies many
+# zero taps (or has a channel multiplier oneDNN runs slowly), and separate phases win
 SUBPIXEL_MAX_CHANNELS = 16
 # Phases reading at most this many channels of y per group are memory-bound, and are computed a few samples at a
-# time on the CPU (contractions.CHUNK_BYTES). Measured grad_input, whole batch -> chunks: depthwise 3x3/2 9.5-11.8
-# -> 5.7-6.3 ms, depthwise 1d k3/2 26.9 -> 19.0 ms, 8 channels per group 21.5 -> 20.2 ms; but 16 per group
-# 10.8 -> 13.0 ms and ResNet-50's 3x3/2 14.8 -> 17.9 ms, where the conv, not the memory, is the cost.
+# time on the CPU (contractions.CHUNK_BYTES); with more, the conv is the cost and chunks only slow it
 CHUNK_MAX_CHANNELS = 8
-# Depthwise phases with at most this many taps are summed tap by tap (contractions.DepthwiseTaps), not by a conv call.
-# Measured, grad_input of 16 samples, paired rounds, taps / convs: MobileNetV2's depthwise 3x3/2 (phases of 1, 2, 2
-# and 4 taps) 4.2 / 5.8 ms (native 3.8 ms); depthwise 1d k3/2 (512 channels, 4000 long) 9.8 / 12.7 ms (native 16.7).
+# Depthwise phases with at most this many taps are summed tap by tap (contractions.DepthwiseTaps): a conv call
+# reorders y into oneDNN's blocked layout and back, which costs more than the few taps
 TAPS_MAX_PHASE_TAPS = 4
 INPUT_METHODS = ("zero_insert", "polyphase", "subpixel")
 
@@ -227,19 +223,26 @@ class SubpixelKernel:
     offsets: tuple[tuple[int, ...], ...]  # per dim, per rho
     shape: Shape
 
-    def __call__(self, w: torch.Tensor) -> torch.Tensor:
-        c_x, cyg, *_ = w.shape
+    def _parts(self) -> list[tuple[Shape, tuple[slice, ...], tuple[Pair, ...]] | None]:
+        """Per phase combination rho (row-major): (rho, its taps of the kernel, their shifts into the fused kernel),
+        or None for a phase no tap reaches (zeros). What the call stacks and the code writes."""
         fused = self.shape[2:]
-        w = w.reshape(self.groups, c_x // self.groups, cyg, *w.shape[2:])  # (g, C_x/g, C_y/g, *k)
-        subs = []
+        out: list[tuple[Shape, tuple[slice, ...], tuple[Pair, ...]] | None] = []
         for combo in itertools.product(*(range(len(dim)) for dim in self.phases)):
             taps = [dim[r] for dim, r in zip(self.phases, combo)]
             if any(t is None for t in taps):
-                subs.append(w.new_zeros(*w.shape[:3], *fused))
+                out.append(None)
                 continue
-            sub = w[(..., *(slice(t.first, t.first + t.step * (t.count - 1) + 1, t.step) for t in taps))]
-            shifts = [(off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps)]
-            subs.append(pad(sub, shifts))  # (g, C_x/g, C_y/g, *fused)
+            index = tuple(slice(t.first, t.first + t.step * (t.count - 1) + 1, t.step) for t in taps)
+            shifts = tuple((off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps))
+            out.append((combo, index, shifts))
+        return out
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        c_x, cyg, *_ = w.shape
+        w = w.reshape(self.groups, c_x // self.groups, cyg, *w.shape[2:])  # (g, C_x/g, C_y/g, *k)
+        subs = [w.new_zeros(*w.shape[:3], *self.shape[2:]) if part is None else pad(w[(..., *part[1])], part[2])
+                for part in self._parts()]  # each (g, C_x/g, C_y/g, *fused)
         return torch.stack(subs, 1).reshape(self.shape)  # (g*P*C_x/g, C_y/g, *fused)
 
     def describe(self) -> str:
@@ -265,18 +268,15 @@ class SubpixelKernel:
 
     def code(self, v: str, shape: Shape) -> list[str]:
         c_x, cyg, *k = shape
-        fused = self.shape[2:]
+        zeros = (self.groups, c_x // self.groups, cyg, *self.shape[2:])
         lines = [f"{v}_w = {v}.reshape({commas((self.groups, c_x // self.groups, cyg, *k))})  # (g, C_x/g, C_y/g, *k)",
                  "subs = []"]
-        for combo in itertools.product(*(range(len(dim)) for dim in self.phases)):
-            taps = [dim[r] for dim, r in zip(self.phases, combo)]
-            if any(t is None for t in taps):
-                zeros = (self.groups, c_x // self.groups, cyg, *fused)
-                lines.append(f"subs.append({v}_w.new_zeros({commas(zeros)}))")
-                continue
-            sl = slices(*zip(*((t.first, t.step, t.count) for t in taps)))  # type: ignore[union-attr]
-            shifts = tuple((off[r], f - off[r] - t.count) for off, r, f, t in zip(self.offsets, combo, fused, taps))  # type: ignore[union-attr]
-            lines.append(f"subs.append(F.pad({v}_w[..., {sl}], {pad_flat(shifts)}))  # phase {combo}")
+        for part in self._parts():
+            if part is None:
+                lines.append(f"subs.append({v}_w.new_zeros({commas(zeros)}))  # a phase no tap reaches")
+            else:
+                lines += pad_code("p", f"{v}_w[..., {index_text(part[1])}]", part[2], f"phase {part[0]}")
+                lines.append("subs.append(p)")
         return [*lines, f"{v} = torch.stack(subs, 1).reshape({commas(self.shape)})  # every phase's taps: {self.shape}"]
 
 
@@ -292,17 +292,22 @@ class DepthToSpace:
     shape: Shape
     start: Shape = ()
 
+    def _writes(self) -> list[tuple[int, tuple[slice, ...], tuple[slice, ...]]]:
+        """Per phase p (rho row-major): (p, the rows rho::s of the big side it fills, the rows of its result that
+        land there: ``start`` on, as many as the big side has in rho::s). What the call writes and the code too."""
+        start = self.start or (0,) * len(self.stride)
+        return [(p, phase_rows(self.stride, rho), tuple(slice(b, b + len(range(r, i, s))) for b, r, s, i in
+                                                       zip(start, rho, self.stride, self.shape[2:], strict=True)))
+                for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride)))]
+
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n, _, *rows = t.shape
         g, c_x = self.groups, self.shape[1]
         phases = t.view(n, g, math.prod(self.stride), c_x // g, *rows)  # (N, g, P, C_x/g, *rows)
         out = new_like(t, self.shape)
         grouped = out.view(n, g, c_x // g, *self.shape[2:])  # (N, g, C_x/g, *i)
-        start = self.start or (0,) * len(rows)
-        for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
-            where = (..., *phase_rows(self.stride, rho))
-            rows_of_p = (slice(b, b + m) for b, m in zip(start, grouped[where].shape[3:], strict=True))
-            grouped[where] = sliced(phases[:, :, p], list(rows_of_p))
+        for p, where, rows_of_p in self._writes():
+            grouped[(..., *where)] = sliced(phases[:, :, p], list(rows_of_p))
         return out
 
     def describe(self) -> str:
@@ -323,10 +328,6 @@ class DepthToSpace:
         g, c_x = self.groups, self.shape[1]
         lines = [f"{v}_p = {v}.reshape({commas((n, g, math.prod(self.stride), c_x // g, *rows))})  # (N, g, P, "
                  f"C_x/g, *rows)", f"{v} = {v}.new_zeros({commas((n, g, c_x // g, *self.shape[2:]))})"]
-        start = self.start or (0,) * len(rows)
-        for p, rho in enumerate(itertools.product(*(range(s) for s in self.stride))):
-            where = ", ".join(f"{r}::{s}" for r, s in zip(rho, self.stride, strict=True))
-            rows_of_p = ", ".join(f"{b}:{b + len(range(r, i, s))}" for b, r, s, i in
-                                  zip(start, rho, self.stride, self.shape[2:], strict=True))
-            lines.append(f"{v}[..., {where}] = {v}_p[:, :, {p}][..., {rows_of_p}]")
+        lines += [f"{v}[..., {index_text(where)}] = {v}_p[:, :, {p}][..., {index_text(rows_of_p)}]"
+                  for p, where, rows_of_p in self._writes()]
         return [*lines, f"{v} = {v}.reshape({commas(self.shape)})  # depth to space: {self.shape}"]

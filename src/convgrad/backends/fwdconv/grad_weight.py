@@ -22,7 +22,7 @@ import torch
 
 from convgrad.backends.fwdconv import geometry as geo
 from convgrad.backends.fwdconv.contractions import Conv, MatMul
-from convgrad.backends.fwdconv.plan import Contraction, Plan, Step, commas, pad_code
+from convgrad.backends.fwdconv.plan import Chain, Contraction, Plan, Step, TensorOp, commas, index_text
 from convgrad.backends.fwdconv.steps import (
     BatchFold,
     FoldTaps,
@@ -46,7 +46,7 @@ from convgrad.spec import (
     phase_data_rows,
     strided_crop,
 )
-from convgrad.tensor_ops import ONEDNN_DTYPES, batched_like, channels_innermost, sliced
+from convgrad.tensor_ops import ONEDNN_DTYPES, batched_like, channels_innermost
 
 __all__ = ["BUILDERS", "ONEDNN_DTYPES", "PER_SAMPLE_MAX_BATCH", "PER_SAMPLE_MAX_CHANNELS", "TAPS_MAX_ELEMENTS",
            "WEIGHT_METHODS", "PhasesToKernel", "StrideToDepth", "im2col_weight_method", "plan_per_sample_weight_grad",
@@ -78,17 +78,11 @@ def plan_weight_grad(spec: ConvSpec, method: str | None = None) -> Plan:
 def weight_method(spec: ConvSpec) -> tuple[str, str]:
     """The grad_weight formulation for this spec and why.
 
-    Rules from `benchmarks/fwdconv_methods.py` (oneDNN, float32, 2 threads, quiet, ratios to native;
-    ranges over runs with the two malloc settings of `convgrad bench`): taps 1.0-1.25 for 1x1 convs and
-    1.1 for the U-Net 2x2/2 up-conv, where kernel is 1.3-4.1 and 2.3; per_sample for at most 3 input
-    channels per group (depthwise 0.74-1.14 vs kernel 4.2-5.7, the RGB stem 1.7 vs 2.4-2.7, wav2vec2's
-    C_in = 1 conv 1.15 vs 2.0-2.2) and for batches of 1-2 (wav2vec2 0.91 vs 1.2, R3D 1.0 vs 1.3); blocks
-    for the DeepLab ASPP rate 12 (1.9 vs 3.7-3.9); kernel 0.64-1.6 elsewhere (ResNeXt's 4 channels per
-    group: 0.64-0.73 vs per_sample 1.4-1.5). phases for strided 3d depthwise convs (2 threads, float32, ms, paired
-    in one process, phases / per_sample / native): X3D-M's 3x3x3 stride (1, 2, 2) at batch 2 13.3 / 31 / 21 and at
-    batch 8 51-74 / 134 / 81, a 5x5x5 one 6.6-8.3 / 31-48 / 23, stride (2, 2, 2) 22.6 / 26 / 11.6; where oneDNN runs
-    the dilated per-sample kernel slowly. In 2d it loses (MobileNetV2 3x3/2: 8.8-9.6 / 3.8-4.2 / 3.8), and for the
-    3-channel 3d stem (62-65 / 43-46 / 17).
+    Rules from ``benchmarks/fwdconv_methods.py`` (oneDNN, float32, 2 threads; the figures are in
+    benchmarks/results/fwdconv_rules.md): taps for 1x1 convs and up-convs whose windows do not overlap; phases for
+    strided 3d depthwise convs, where oneDNN runs the dilated per-sample kernel slowly (in 2d and for the 3-channel 3d
+    stem it loses); per_sample for at most ``PER_SAMPLE_MAX_CHANNELS`` input channels per group and for batches of
+    at most ``PER_SAMPLE_MAX_BATCH``; blocks for dilated stride-1 convs (DeepLab's ASPP); kernel elsewhere.
     """
     if spec.taps <= math.prod(spec.stride):
         return "taps", "tap windows do not overlap (e.g. 1x1, or k <= s): im2col by taps copies at most x; a matmul"
@@ -104,16 +98,16 @@ def weight_method(spec: ConvSpec) -> tuple[str, str]:
     return "kernel", "grad_output as the kernel, batch folded into channels"
 
 
-PER_SAMPLE_MAX_CHANNELS = 3  # input channels per group (RGB: 3; ResNeXt's 4 per group run faster as "kernel")
+# per_sample's convs per sample beat one conv with grad_output as the kernel for few input channels per group (RGB:
+# 3; ResNeXt's 4 per group run faster as "kernel") and for tiny batches (fwdconv_rules.md)
+PER_SAMPLE_MAX_CHANNELS = 3
 PER_SAMPLE_MAX_BATCH = 2
 
 
-# torch's CPU convs run oneDNN for float32 and bfloat16 only; other dtypes (float64, float16, complex) run an
-# im2col + GEMM forward conv, for which grad_output as a huge kernel is 2-6x slower than folding the taps into the
-# batch ourselves (float64, 1 thread: ResNet 3x3 at 56 2.5x -> 1.05x native, DCGAN 3.4x -> 2.1x). Grouped convs
-# too (float64, 2 threads): MobileNetV2 depthwise 3x3 per_sample 3.55x -> taps 2.43x, depthwise 3x3/2 2.27x ->
-# 2.03x, ResNeXt g32 kernel 3.02x -> 2.25x.
-TAPS_MAX_ELEMENTS = 2**25  # the folded windows, N*C_x*T*P; beyond this the "kernel" plan needs far less memory
+# Off oneDNN (float64, float16, complex on the CPU) torch's forward conv is im2col + GEMM, for which grad_output as a
+# huge kernel is slower than folding the taps into the batch ourselves (fwdconv_rules.md); up to this many folded
+# elements (N*C_x*T*P), beyond which the "kernel" plan needs far less memory
+TAPS_MAX_ELEMENTS = 2**25
 
 
 def im2col_weight_method(spec: ConvSpec, like: torch.Tensor) -> str | None:
@@ -141,20 +135,19 @@ class StrideToDepth:
     pads: tuple[Pair, ...]
     shape: Shape
 
-    def _split(self, shape: Shape) -> tuple[Shape, Shape]:
-        n, c, *size = shape
-        nd = len(size)
-        split = (n, self.groups, c // self.groups, *(v for u, s in zip(size, self.stride) for v in (u // s, s)))
-        return split, (2, *range(4, 3 + 2 * nd, 2), 0, 1, *range(3, 3 + 2 * nd, 2))
-
-    def _rows(self, rho: Shape, size: Shape) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
-        """Where phase rho's rows of x go (rows m of the phase) and which rows of x they are (h = s*m + rho - lo)."""
-        dst, src = [], []
-        for r, s, (lo, _), u, i in zip(rho, self.stride, self.pads, self.shape[2:], size):
-            m0, count, h0 = phase_data_rows(i, u, s, r, lo)
-            dst.append(slice(m0, m0 + count))
-            src.append(slice(h0, h0 + s * (count - 1) + 1 if count else h0, s))
-        return tuple(dst), tuple(src)
+    def _copies(self, size: Shape) -> list[tuple[Shape, tuple[slice, ...], tuple[slice, ...]]]:
+        """Per phase rho that holds rows of x: (rho, where its rows go (rows m of the phase), which rows of x they
+        are (h = s*m + rho - lo)); the rows of the pads stay zero. What the call copies and the code writes."""
+        out = []
+        for rho in itertools.product(*(range(s) for s in self.stride)):
+            dst, src = [], []
+            for r, s, (lo, _), u, i in zip(rho, self.stride, self.pads, self.shape[2:], size):
+                m0, count, h0 = phase_data_rows(i, u, s, r, lo)
+                dst.append(slice(m0, m0 + count))
+                src.append(slice(h0, h0 + s * (count - 1) + 1 if count else h0, s))
+            if all(d.stop > d.start for d in dst):
+                out.append((rho, tuple(dst), tuple(src)))
+        return out
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n, c, *size = t.shape
@@ -165,10 +158,8 @@ class StrideToDepth:
             out = t.new_zeros((c // g, *self.stride, n, g, *u))
         out = batched_like(out, t)  # (C_x/g, *s, N, g, *U)
         x = t.reshape(n, g, c // g, *size).movedim(2, 0)  # (C_x/g, N, g, *i)
-        for rho in itertools.product(*(range(s) for s in self.stride)):
-            dst, src = self._rows(rho, tuple(size))
-            if all(d.stop > d.start for d in dst):
-                out[(slice(None), *rho, ..., *dst)] = x[(..., *src)]
+        for rho, dst, src in self._copies(tuple(size)):
+            out[(slice(None), *rho, ..., *dst)] = x[(..., *src)]
         return out.reshape(self.shape)  # (C_x/g*S, N*g, *U)
 
     def describe(self) -> str:
@@ -186,32 +177,33 @@ class StrideToDepth:
 
     def code(self, v: str, shape: Shape) -> list[str]:
         n, c, *size = shape
-        padded = (n, c, *padded_sizes(size, self.pads))
-        split, perm = self._split(padded)
-        return [*pad_code(v, v, self.pads, f"{padded}"),
-                f"{v} = {v}.reshape({commas(split)}).permute({commas(perm)}).reshape({commas(self.shape)})"
-                f"  # phases into channels: {self.shape}"]
+        g = self.groups
+        lines = [f"{v}_x = {v}.reshape({commas((n, g, c // g, *size))}).movedim(2, 0)  # (C_x/g, N, g, *i)",
+                 f"{v} = {v}.new_zeros(({commas((c // g, *self.stride, n, g, *self.shape[2:]))}))"
+                 "  # (C_x/g, *s, N, g, *U): the pads' rows stay zero"]
+        lines += [f"{v}[:, {commas(rho)}, ..., {index_text(dst)}] = {v}_x[..., {index_text(src)}]  # phase {rho}"
+                  for rho, dst, src in self._copies(tuple(size))]
+        return [*lines, f"{v} = {v}.reshape({commas(self.shape)})  # phases into channels: {self.shape}"]
 
 
 @dataclass(frozen=True)
-class PhasesToKernel:
+class PhasesToKernel(Chain):
     """(C_x/g*S, C_y, *q) -> (C_y, C_x/g, *k): result q of phase rho is tap s*q + rho; taps past k are dropped."""
 
     stride: Shape
     shape: Shape
 
-    def _steps(self, shape: Shape) -> tuple[Shape, Shape, Shape]:
+    def ops(self, shape: Shape) -> tuple[TensorOp, ...]:
         c_y, cxg, *_ = self.shape
         q = shape[2:]
         nd = len(q)
-        split = (cxg, *self.stride, c_y, *q)  # (C_x/g, *s, C_y, *q)
-        perm = (1 + nd, 0, *(v for j in range(nd) for v in (2 + nd + j, 1 + j)))  # (C_y, C_x/g, q1, s1, ...)
-        return split, perm, (c_y, cxg, *(m * s for m, s in zip(q, self.stride)))
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        split, perm, taps = self._steps(tuple(t.shape))
-        t = t.reshape(split).permute(perm).reshape(taps)  # (C_y, C_x/g, *(q*s)): tap s*q + rho in order
-        return sliced(t, [slice(0, k) for k in self.shape[2:]])  # (C_y, C_x/g, *k)
+        perm = (1 + nd, 0, *(v for j in range(nd) for v in (2 + nd + j, 1 + j)))
+        return (TensorOp("reshape", ((cxg, *self.stride, c_y, *q),), "(C_x/g, *s, C_y, *q)"),
+                TensorOp("permute", (perm,), "(C_y, C_x/g, q1, s1, ...)"),
+                TensorOp("reshape", ((c_y, cxg, *(m * s for m, s in zip(q, self.stride))),),
+                         "(C_y, C_x/g, *(q*s)): tap s*q + rho in order"),
+                TensorOp("index", (tuple(slice(0, k) for k in self.shape[2:]),),
+                         f"phases back into taps: {self.shape}"))
 
     def describe(self) -> str:
         return f"interleave the phases' results: result q of phase rho is tap {self.stride}*q + rho"
@@ -227,11 +219,6 @@ class PhasesToKernel:
         cells = [axis.members[t % s].cells[t // s] for t in range(self.shape[2 + dim])]  # type: ignore[union-attr]
         return geo.renumber(geo.Axis(()), cells)
 
-    def code(self, v: str, shape: Shape) -> list[str]:
-        split, perm, taps = self._steps(shape)
-        crop = ", ".join(f":{k}" for k in self.shape[2:])
-        return [f"{v} = {v}.reshape({commas(split)}).permute({commas(perm)}).reshape({commas(taps)})[..., {crop}]"
-                f"  # phases back into taps: {self.shape}"]
 
 
 _Parts = tuple[tuple[Step, ...], tuple[Step, ...], Contraction, tuple[Step, ...]]

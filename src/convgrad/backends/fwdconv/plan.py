@@ -7,21 +7,26 @@ carries all its views itself: calling it computes, ``describe()`` says it in a s
 short phrase a picture's subtitle shows, ``code()`` writes it as script lines, and ``rows``/``reads`` tell
 where it moves the rows of one spatial dim (geometry.py). A new kind of step needs no change elsewhere.
 
+A step that is a chain of tensor operations (``Chain``) lists them as data, ``ops(shape)``: a ``TensorOp`` each
+(a Tensor method, or ``pad``, ``index``, ``windows``, with its arguments and the shape comment of its line); calling
+the step runs that list (``run_ops``) and ``code()`` writes the same list (``ops_code``), so the two cannot drift.
 The helpers at the end write the script text that ``code()`` methods share.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from convgrad.backends.fwdconv import geometry as geo
 from convgrad.spec import ConvSpec, Pair, Shape, pad_then_crop
-from convgrad.tensor_ops import pad_flat
+from convgrad.tensor_ops import pad, pad_flat, sliced, windows
 
-__all__ = ["Contraction", "Plan", "Spatially", "Step", "commas", "execute", "pad_code", "slices"]
+__all__ = ["Chain", "Contraction", "Plan", "Spatially", "Step", "TensorOp", "commas", "execute", "index_text",
+           "ops_code", "pad_code", "run_ops"]
 
 
 
@@ -114,16 +119,88 @@ def execute(plan: Plan, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tenso
     return out
 
 
+# ---- steps as chains of tensor operations: one list, run and written -----------------------------------------------
+
+class TensorOp(NamedTuple):
+    """One tensor operation of a step: ``name`` is a Tensor method (reshape, permute, transpose, movedim, flip, sum)
+    or one of ``pad`` (``tensor_ops.pad``: a negative amount crops), ``index`` (slices of the trailing dims,
+    ``tensor_ops.sliced``) and ``windows`` (``tensor_ops.windows``: im2col as a view); ``args`` its arguments after
+    the tensor; ``note`` the shape comment of its line of code."""
+
+    name: str
+    args: tuple[Any, ...]
+    note: str = ""
+
+
+# the operations that are functions of the tensor, not its methods
+_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {"pad": pad, "index": sliced, "windows": windows}
+
+
+def run_ops(ops: Sequence[TensorOp], t: torch.Tensor) -> torch.Tensor:
+    """Apply the operations in order (a method call each: no Python frame of its own)."""
+    for name, args, _ in ops:
+        function = _FUNCTIONS.get(name)
+        t = function(t, *args) if function is not None else getattr(t, name)(*args)
+    return t
+
+
+def index_text(index: Sequence[slice]) -> str:
+    """Slices as written in an index, ``start:stop:step`` each with the defaults left out."""
+    def one(s: slice) -> str:
+        step = "" if s.step in (None, 1) else f":{s.step}"
+        return f"{'' if s.start is None else s.start}:{'' if s.stop is None else s.stop}{step}"
+
+    return ", ".join(one(s) for s in index)
+
+
+def ops_code(ops: Sequence[TensorOp], v: str) -> list[str]:
+    """The operations as script lines that update the variable ``v``: torch calls only (F.pad, slices, unfold)."""
+    lines = []
+    for name, args, note in ops:
+        comment = f"  # {note}" if note else ""
+        if name == "pad":
+            lines += pad_code(v, v, args[0], note)
+        elif name == "index":
+            lines.append(f"{v} = {v}[..., {index_text(args[0])}]{comment}")
+        elif name == "windows":  # tensor_ops.windows: unfold every dim, then every d-th row of each window
+            kernel, stride, dilation = args
+            lines += [f"{v} = {v}.unfold({2 + j}, {d * (k - 1) + 1}, {s})  # windows of dim {j}"
+                      for j, (k, s, d) in enumerate(zip(kernel, stride, dilation))]
+            lines.append(f"{v} = {v}[..., {', '.join(f'::{d}' for d in dilation)}]{comment}")
+        else:
+            given = ", ".join(commas(a) if isinstance(a, tuple) else repr(a) for a in args)
+            lines.append(f"{v} = {v}.{name}({given}){comment}")
+    return lines
+
+
+class Chain:
+    """A step that is a chain of tensor operations, listed by ``ops(shape)`` for an input of that shape: calling it
+    runs the list, ``code()`` writes it."""
+
+    def ops(self, shape: Shape) -> tuple[TensorOp, ...]:
+        raise NotImplementedError(f"{type(self).__name__}.ops")
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        # the list for the last input shape is kept on the step (a plan runs on one shape): building it costs more
+        # than running it on a small layer. Not while torch.compile traces: its plans are built afresh per trace
+        shape = t.shape
+        kept = self.__dict__.get("_ops")
+        if kept is not None and kept[0] == shape:
+            return run_ops(kept[1], t)
+        ops = self.ops(tuple(shape))
+        if not torch.compiler.is_compiling():
+            self.__dict__["_ops"] = (shape, ops)  # not a field: equality, hash and replace() ignore it
+        return run_ops(ops, t)
+
+    def code(self, v: str, shape: Shape) -> list[str]:
+        return ops_code(self.ops(shape), v)
+
+
 # ---- script text shared by the code() methods ---------------------------------------------------------------------
 
 def commas(values: object) -> str:
     """Integers as a comma-separated argument list: ``(2, 3)`` -> ``"2, 3"``."""
     return ", ".join(str(v) for v in values)  # type: ignore[attr-defined]
-
-
-def slices(first: Shape, step: Shape, count: Shape) -> str:
-    """``first:stop:step`` per dim, taking ``count`` entries."""
-    return ", ".join(f"{f}:{f + s * (c - 1) + 1}:{s}" for f, s, c in zip(first, step, count, strict=True))
 
 
 def pad_code(out: str, src: str, pads: tuple[Pair, ...], note: str) -> list[str]:
