@@ -31,22 +31,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from convgrad.errors import ConvgradValueError
+from convgrad.per_sample.operands import Operand, Sources
 from convgrad.per_sample.rules import FUNCTIONS, ConvLayer, Layer
 from convgrad.reach import CONV_FUNCTIONS, ConvCall, ReachMode, bind_arguments
 from convgrad.spec import ConvSpec
 
-if TYPE_CHECKING:
-    from convgrad.per_sample.model import PerSampleGrads
+__all__ = ["CONST", "Capture", "Owner"]
 
-__all__ = ["CONST", "Capture", "Operand", "Sources"]
-
-Sources = frozenset[int]  # ids of the trainable parameters a PARAM tensor was computed from
 CONST: Sources = frozenset()
 # torch functions that draw random numbers: a module rerun per sample would draw other ones
 _RANDOM = {torch.bernoulli, torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.rand, torch.rand_like,
@@ -59,18 +56,21 @@ _DROPOUTS = {F.dropout: True, F.dropout1d: True, F.dropout2d: True, F.dropout3d:
              F.feature_alpha_dropout: False}
 
 
-class Operand:
-    """A weight or bias operand of a captured call: the tensor the layer read and the parameters behind it.
+class Owner(Protocol):
+    """What the capture mode asks of the context that keeps its results (``PerSampleGrads``)."""
 
-    Attributes:
-        tensor: the operand as the forward computed it (a parameter itself, or a transform of parameters).
-        sources: the ids of those parameters.
-    """
+    def where(self) -> str:
+        """The innermost running module, in words."""
 
-    __slots__ = ("sources", "tensor")
+    def tap(self, name: str, make: Callable[[torch.Tensor, torch.Tensor, float, dict[str, torch.Size]], Layer],
+            x: torch.Tensor, out: torch.Tensor, operands: dict[str, Operand]) -> torch.Tensor:
+        """Tap a captured layer call's output for its rule in the backward."""
 
-    def __init__(self, tensor: torch.Tensor, sources: Sources) -> None:
-        self.tensor, self.sources = tensor, sources
+    def needs_rerun(self, sources: Sources, op: str) -> None:
+        """A parameter met the samples outside any rule."""
+
+    def random_call(self, op: str) -> None:
+        """A random operation ran."""
 
 
 def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
@@ -103,7 +103,7 @@ class Capture(ReachMode):
 
     captures = True
 
-    def __init__(self, owner: PerSampleGrads) -> None:
+    def __init__(self, owner: Owner) -> None:
         super().__init__()
         self.owner = owner
         self._kinds: dict[int, tuple[weakref.ref[torch.Tensor], Sources]] = {}

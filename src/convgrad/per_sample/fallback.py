@@ -12,12 +12,39 @@ Contraction, per sample n and module m with parameters θ:  g[n] = (∂ m(x[n:n+
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["rerun"]
+from convgrad.per_sample.operands import Sources
+
+__all__ = ["Frame", "rerun"]
+
+
+@dataclass
+class Frame:
+    """One running forward of a module: its call, and what the capture found in it."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    versions: list[tuple[torch.Tensor, int]]  # the tensor arguments' versions when the forward began
+    rerun: Sources = frozenset()  # parameters whose per-sample gradients come from rerunning this forward
+    ops: set[str] = field(default_factory=set)  # the operations where they met the samples
+    random: set[str] = field(default_factory=set)  # random operations in this forward
+
+    def refusal(self, output: Any) -> str | None:
+        """Why this forward cannot be rerun per sample to the same result, or None."""
+        if self.random:
+            return (f"its forward draws random numbers ({', '.join(sorted(self.random))}) and a rerun would draw "
+                    f"others; put its dropout in eval mode (or p=0)")
+        if not isinstance(output, torch.Tensor):
+            return f"it returns {type(output).__name__}, not one tensor"
+        if any(t._version != v for t, v in self.versions):
+            return "it changes its input in place, which a rerun would not see as it was"
+        return None
 
 
 def rerun(module: nn.Module, params: dict[str, nn.Parameter], args: tuple[Any, ...], kwargs: dict[str, Any],

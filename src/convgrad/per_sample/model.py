@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -40,10 +39,12 @@ from convgrad import scopes
 from convgrad.checks import check_module
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.per_sample import distributed
-from convgrad.per_sample.capture import CONST, Capture, Operand, Sources
-from convgrad.per_sample.fallback import rerun
-from convgrad.per_sample.methods import one_layer, sq_norms
-from convgrad.per_sample.rules import Grads, Layer
+from convgrad.per_sample.capture import Capture
+from convgrad.per_sample.fallback import Frame, rerun
+from convgrad.per_sample.methods import one_layer
+from convgrad.per_sample.operands import Operand, Sources, pull_back
+from convgrad.per_sample.results import Record, Results
+from convgrad.per_sample.rules import Layer
 from convgrad.per_sample.tap import BatchGuard, Tap
 from convgrad.reach import hidden, user_class
 
@@ -60,36 +61,6 @@ def _compiled() -> bool:
     """Whether this forward runs under torch.compile: traced by Dynamo, or run by it eagerly after a graph break
     (Dynamo's frame callback is then still set; a ``torch.compiler.disable``d region clears it)."""
     return torch.compiler.is_compiling() or torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None
-
-
-@dataclass
-class _Frame:
-    """One running forward of a module: its call, and what the capture found in it."""
-
-    module: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    versions: list[tuple[torch.Tensor, int]]
-    rerun: Sources = CONST  # parameters whose per-sample gradients come from rerunning this forward per sample
-    ops: set[str] = field(default_factory=set)  # the operations where they met the samples
-    random: set[str] = field(default_factory=set)  # random operations in this forward
-
-
-@dataclass
-class _Record:
-    """What one tapped call left in a norms_only backward: a squared norm with the means to clip it (``layer``, for
-    operands that are parameters themselves), or materialised per-sample gradients by parameter id."""
-
-    params: frozenset[int]
-    layer: Layer | None = None
-    operands: dict[str, int] = field(default_factory=dict)  # the layer's operand -> its parameter's id
-    grads: dict[int, torch.Tensor] | None = None
-    sq: torch.Tensor | None = None
-
-    def materialised(self) -> dict[int, torch.Tensor]:
-        if self.grads is None:
-            self.grads = {self.operands[k]: g for k, g in self.layer.grads().items()}  # type: ignore[union-attr]
-        return self.grads
 
 
 class PerSampleGrads:
@@ -202,7 +173,7 @@ class PerSampleGrads:
         self._find_params()
         self._mode = Capture(self)
         self._handles: list[Any] = []
-        self._stack: list[_Frame] = []
+        self._stack: list[Frame] = []
         self._rerunning = 0  # inside a per-sample rerun: the hooks stand aside
         self._pulling = 0  # inside a pull-back through a transform: the parameters' hooks stand aside
         self._no_sync = contextlib.ExitStack()
@@ -251,10 +222,7 @@ class PerSampleGrads:
 
     def _forget(self) -> None:
         """This context's own results, none yet."""
-        self._samples: dict[int, torch.Tensor] = {}  # full mode: parameter id -> (N, *shape), this context's own
-        self._records: list[_Record] = []  # norms_only
-        self._before: dict[int, torch.Tensor | None] = {}  # id(param) -> .grad before this context's backward
-        self._how: dict[int, set[str]] = {}  # parameter id -> how its per-sample gradients were computed
+        self._results = Results(self._params, self.norms_only, not self.norms_only and self._ddp is None)
         self._guard.clear()
 
     def report(self) -> dict[str, str]:
@@ -265,7 +233,7 @@ class PerSampleGrads:
             "rerun of module 'blocks.0' (Block) per sample (mul)", several joined by "; "}, for the parameters
             that a captured forward reached.
         """
-        return {self._param_names[pid]: "; ".join(sorted(how)) for pid, how in self._how.items()}
+        return {self._param_names[pid]: "; ".join(sorted(how)) for pid, how in self._results.how.items()}
 
     # ---- where the forward is -------------------------------------------------------------------
     def _describe(self, module: nn.Module) -> str:
@@ -290,7 +258,7 @@ class PerSampleGrads:
             self._mode.reset(self._params, consts)
             self._mode.__enter__()
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        self._stack.append(_Frame(module, args, kwargs, [(t, t._version) for t in tensors]))
+        self._stack.append(Frame(module, args, kwargs, [(t, t._version) for t in tensors]))
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if self._rerunning or not self._stack or self._stack[-1].module is not module:
@@ -339,19 +307,16 @@ class PerSampleGrads:
         no_weight = scopes.weight_gradients_disabled
         is_conv = name.startswith("conv")
         for k, op in operands.items():
-            how = name if self._identity(op) else f"{name} through a transform (its {k} computed from it)"
+            computed = op.parameter(self._params) is None
+            how = f"{name} through a transform (its {k} computed from it)" if computed else name
             for pid in op.sources:
-                self._how.setdefault(pid, set()).add(how)
+                self._results.how.setdefault(pid, set()).add(how)
         callback = functools.partial(self._layer_backward, where, self._calls, frames, make, operands, is_conv,
                                      no_weight)
         with hidden():
             return Tap.apply(callback, 1, out, x.detach(), *(op.tensor for op in operands.values()))  # type: ignore[no-any-return]
 
-    def _identity(self, op: Operand) -> bool:
-        """Whether the operand is a parameter itself (not computed from one)."""
-        return len(op.sources) == 1 and op.tensor is self._params.get(next(iter(op.sources)))
-
-    def _layer_backward(self, where: str, call: int, frames: tuple[_Frame, ...], make: Any,
+    def _layer_backward(self, where: str, call: int, frames: tuple[Frame, ...], make: Any,
                         operands: dict[str, Operand], is_conv: bool, no_weight: bool,
                         saved: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
         """One captured layer's part of the backward; its scratch buffers go after (``methods.one_layer``)."""
@@ -370,28 +335,32 @@ class PerSampleGrads:
         with one_layer():
             layer = make(x, gy, scale, {k: op.tensor.shape for k, op in operands.items()})
             self._guard.check_size(where, layer.x.shape[0])
-            self._remember_grads(frozenset().union(*(op.sources for op in operands.values())) - excluded)
-            identity = {k: id(op.tensor) for k, op in operands.items() if self._identity(op)}
+            self._results.remember_grads(frozenset().union(*(op.sources for op in operands.values())) - excluded)
+            identity = {k: id(op.tensor) for k, op in operands.items() if op.parameter(self._params) is not None}
             if self.norms_only and len(identity) == len(operands):
-                self._records.append(self._plan(layer, identity))
+                self._results.records.append(self._plan(layer, identity))
                 return
             grads = layer.grads()
-            per_param = self._pull_back(operands, grads, excluded)
+            self._pulling += 1  # the parameters' hooks stand aside: the transform's backward is ours
+            try:
+                per_param = pull_back(operands, grads, self._params, excluded)
+            finally:
+                self._pulling -= 1
             if self.norms_only:
-                self._records.append(_Record(frozenset(per_param), grads=per_param))
+                self._results.records.append(Record(frozenset(per_param), grads=per_param))
                 return
             for pid, g in per_param.items():
-                self._add_sample(pid, g)
+                self._results.add_sample(pid, g)
             if self._ddp is None:  # under DDP this rank's sum alone would be a wrong .grad: clip_and_accumulate
                 sums = {identity[k]: g for k, g in layer.summed({k: grads[k] for k in identity}).items()}
                 for pid, g in per_param.items():
                     if pid not in sums:
                         sums[pid] = g.sum(0).div_(layer.scale)
-                self._add_grads(sums)
+                self._results.add_grads(sums)
 
-    def _plan(self, layer: Layer, operands: dict[str, int]) -> _Record:
+    def _plan(self, layer: Layer, operands: dict[str, int]) -> Record:
         """norms_only: the layer's clipping plan; keep its per-sample gradients, or its state for one more pass."""
-        rec = _Record(frozenset(operands.values()), layer=layer, operands=operands)
+        rec = Record(frozenset(operands.values()), layer=layer, operands=operands)
         how, store = layer.clip_plan()
         if store:
             rec.materialised()
@@ -399,67 +368,33 @@ class PerSampleGrads:
             rec.sq = layer.ghost_sq_norms() if how == "ghost" else layer.materialised_sq_norms()
         return rec
 
-    def _pull_back(self, operands: dict[str, Operand], grads: Grads, excluded: Sources) -> dict[int, torch.Tensor]:
-        """The per-sample gradients of the parameters behind the operands: an operand that is a parameter takes
-        its own; a computed one goes back through its transform, all samples in one vmapped backward."""
-        out: dict[int, torch.Tensor] = {}
-        outputs, cotangents, wanted = [], [], set()
-        for k, g in grads.items():
-            op = operands[k]
-            if self._identity(op):
-                _add(out, id(op.tensor), g)
-            else:
-                outputs.append(op.tensor)
-                cotangents.append(g.to(op.tensor.dtype))
-                wanted |= op.sources - excluded
-        if not outputs or not wanted:
-            return out
-        params = [self._params[i] for i in sorted(wanted)]
-        n = cotangents[0].shape[0]
-        if n == 0:
-            gs: tuple[torch.Tensor | None, ...] = tuple(p.new_zeros(0, *p.shape) for p in params)
-        else:
-            self._pulling += 1
-            try:
-                gs = torch.autograd.grad(outputs, params, cotangents, retain_graph=True, allow_unused=True,
-                                         is_grads_batched=True)
-            finally:
-                self._pulling -= 1
-        for p, g in zip(params, gs):
-            _add(out, id(p), torch.zeros(n, *p.shape, dtype=p.dtype, device=p.device) if g is None else g)
-        return out
-
-    def _tap_rerun(self, frame: _Frame, output: Any) -> Any:
+    def _tap_rerun(self, frame: Frame, output: Any) -> Any:
         """At the end of a forward that holds parameters to rerun per sample: check it can be, and tap its output."""
         where = self._describe(frame.module)
         names = sorted(self._param_names[i] for i in frame.rerun)
         ops = ", ".join(sorted(frame.ops))
-        head = (f"PerSampleGrads: {where} must run its forward again per sample for parameters {names} (they meet "
-                f"the samples in {ops}, which no per-sample rule covers), but")
-        if frame.random:
-            raise ConvgradValueError(f"{head} its forward draws random numbers ({', '.join(sorted(frame.random))}) "
-                                     f"and a rerun would draw others; put its dropout in eval mode (or p=0)")
-        if not isinstance(output, torch.Tensor):
-            raise ConvgradValueError(f"{head} it returns {type(output).__name__}, not one tensor")
-        if any(t._version != v for t, v in frame.versions):
-            raise ConvgradValueError(f"{head} it changes its input in place, which a rerun would not see as it was")
+        why = frame.refusal(output)
+        if why:
+            raise ConvgradValueError(f"PerSampleGrads: {where} must run its forward again per sample for parameters "
+                                     f"{names} (they meet the samples in {ops}, which no per-sample rule covers), "
+                                     f"but {why}")
         samples = {k: a for k, a in (*enumerate(frame.args), *frame.kwargs.items())
                    if isinstance(a, torch.Tensor) and self._mode.kind(a) is None}
         params = {n: p for n, p in frame.module.named_parameters() if id(p) in frame.rerun}
         for pid in frame.rerun:
-            self._how.setdefault(pid, set()).add(f"rerun of {where} per sample ({ops})")
+            self._results.how.setdefault(pid, set()).add(f"rerun of {where} per sample ({ops})")
         self._calls += 1
         keys = list(samples)
         callback = functools.partial(self._rerun_backward, where, self._calls, frame, params, keys)
         return Tap.apply(callback, len(keys), output, *(samples[k].detach() for k in keys), *params.values())
 
-    def _rerun_backward(self, where: str, call: int, frame: _Frame, params: dict[str, nn.Parameter],
+    def _rerun_backward(self, where: str, call: int, frame: Frame, params: dict[str, nn.Parameter],
                         keys: list[int | str], saved: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
         self._guard.check_call(where, call)
         gy = grad_output.detach()
         self._guard.check_size(where, gy.shape[0])
         scale = float(gy.shape[0]) if self.loss_reduction == "mean" else 1.0
-        self._remember_grads(frame.rerun)
+        self._results.remember_grads(frame.rerun)
         self._rerunning += 1
         try:
             grads = rerun(frame.module, params, frame.args, frame.kwargs, dict(zip(keys, saved)), gy, scale)
@@ -467,12 +402,12 @@ class PerSampleGrads:
             self._rerunning -= 1
         per_param = {id(params[k]): g for k, g in grads.items()}
         if self.norms_only:
-            self._records.append(_Record(frozenset(per_param), grads=per_param))
+            self._results.records.append(Record(frozenset(per_param), grads=per_param))
             return
         for pid, g in per_param.items():
-            self._add_sample(pid, g)
+            self._results.add_sample(pid, g)
         if self._ddp is None:
-            self._add_grads({pid: g.sum(0).div_(scale) for pid, g in per_param.items()})
+            self._results.add_grads({pid: g.sum(0).div_(scale) for pid, g in per_param.items()})
 
     # ---- gradients ----------------------------------------------------------------------------------
     def _direct_use(self, param: nn.Parameter, grad: torch.Tensor | None) -> None:
@@ -486,46 +421,6 @@ class PerSampleGrads:
             f"per-sample gradient can include that use, so its norms and clipped sum would be wrong. Apply weight "
             f"decay through the optimizer")
 
-    def _remember_grads(self, pids: frozenset[int] | set[int]) -> None:
-        """Keep .grad as it was before this context's backward, for clip_and_accumulate to add to."""
-        adds = not self.norms_only and self._ddp is None  # the backward then adds to .grad, possibly in place
-        for pid in pids:
-            if pid not in self._before:
-                p = self._params[pid]
-                self._before[pid] = None if p.grad is None else p.grad.clone() if adds else p.grad
-
-    def _add_sample(self, pid: int, g: torch.Tensor) -> None:
-        total = self._samples.get(pid)
-        total = g if total is None else total + g
-        self._samples[pid] = total
-        self._params[pid].grad_sample = total  # type: ignore[attr-defined]
-
-    def _add_grads(self, sums: dict[int, torch.Tensor]) -> None:
-        """Add to .grad as autograd would (autograd gets none: the layers ran on detached operands)."""
-        for pid, g in sums.items():
-            p = self._params[pid]
-            g = g.to(p.dtype)
-            p.grad = g if p.grad is None else p.grad.add_(g)
-
-    # ---- results --------------------------------------------------------------------------------
-    def _parts(self) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], list[_Record]]:
-        """(squared norms of the records that alone reach their parameters, the per-sample gradients summed per
-        parameter of the others, those alone records); full mode: every parameter's own gradients."""
-        if not self.norms_only:
-            return [], self._samples, []
-        count: dict[int, int] = {}
-        for r in self._records:
-            for pid in r.params:
-                count[pid] = count.get(pid, 0) + 1
-        alone = [r for r in self._records if all(count[pid] == 1 for pid in r.params)]
-        summed: dict[int, torch.Tensor] = {}
-        for r in self._records:
-            if not any(r is a for a in alone):
-                for pid, g in r.materialised().items():
-                    _add(summed, pid, g)
-        sq = [r.sq if r.sq is not None else sum(sq_norms(g) for g in r.materialised().values()) for r in alone]
-        return sq, summed, alone  # type: ignore[return-value]
-
     def norms(self) -> torch.Tensor:
         """Per-sample L2 norms over the gradients of every parameter this context's backward reached.
 
@@ -538,14 +433,10 @@ class PerSampleGrads:
             RuntimeError: this context recorded no per-sample gradient (it was never entered, or no backward ran
                 inside it since it was entered or cleared).
         """
-        sq, summed, _ = self._parts()
-        parts = [*sq, *(sq_norms(g) for g in summed.values())]
-        if not parts:
+        total = self._results.sq_norms()
+        if total is None:
             raise RuntimeError("PerSampleGrads.norms: this context recorded no per-sample gradient; run the forward "
                                "pass and loss.backward() inside its `with PerSampleGrads(model)` block")
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
         return total.clamp(min=0).sqrt()  # a ghost norm near 0 can round below it
 
     def clip_and_accumulate(self, max_norm: float) -> torch.Tensor:
@@ -576,26 +467,13 @@ class PerSampleGrads:
                 f"PerSampleGrads.clip_and_accumulate: max_norm={max_norm!r} must be a positive number")
         norms = self.norms()
         factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # (N,)
-        clipped: dict[int, torch.Tensor] = {}
-        _, summed, alone = self._parts()
-        for pid, g in summed.items():
-            _add(clipped, pid, torch.tensordot(factors.to(g.dtype), g, dims=1))  # (*param.shape)
-        for r in alone:
-            if r.grads is None:
-                for k, g in r.layer.clipped(factors).items():  # type: ignore[union-attr]
-                    _add(clipped, r.operands[k], g)
-            else:
-                for pid, g in r.grads.items():
-                    _add(clipped, pid, torch.tensordot(factors.to(g.dtype), g, dims=1))
+        clipped = self._results.clipped(factors)
         params = list(self._params.values())
         sums = [clipped[id(p)] if id(p) in clipped else torch.zeros_like(p) for p in params]
         if self._ddp is not None:
             distributed.all_reduce_sum(sums, self._ddp.process_group)
         for p, g in zip(params, sums, strict=True):
-            before, g = self._before.get(id(p), p.grad), g.to(p.dtype)  # autocast: the parameter's dtype
+            before, g = self._results.before.get(id(p), p.grad), g.to(p.dtype)  # autocast: the parameter's dtype
             p.grad = g if before is None else before + g
         return norms
 
-
-def _add(into: dict[int, torch.Tensor], pid: int, g: torch.Tensor) -> None:
-    into[pid] = g if pid not in into else into[pid] + g
