@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import convgrad as cg
-from convgrad.per_sample import methods, rules
+from convgrad.per_sample import methods, rules, session
 from convgrad.tuning import Choice
 from convgrad.tuning.tuner import PRUNE_ESTIMATE
 from helpers import TOL, Case, assert_matches_autograd, layer_case, make_tensors, reference_forward, reference_grads
@@ -1068,7 +1068,7 @@ def test_the_scratch_buffers_are_released_when_the_backward_ends(norms_only: boo
     of the backward starts, nor after the backward (kept, they sat beside the next layer's transients)."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 2)).to(DT)
     seen, left = [], []
-    scratch, layer_backward = methods.scratch, cg.PerSampleGrads._layer_backward
+    scratch, layer_backward = methods.scratch, session.Session._layer_backward
     methods.release_scratch()  # what the functional calls of other tests left
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
@@ -1082,7 +1082,7 @@ def test_the_scratch_buffers_are_released_when_the_backward_ends(norms_only: boo
     with pytest.MonkeyPatch.context() as mp, \
             cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
         mp.setattr(methods, "scratch", spy)
-        mp.setattr(cg.PerSampleGrads, "_layer_backward", entry)
+        mp.setattr(session.Session, "_layer_backward", entry)
         mp.setattr(rules.tuning, "method_for", lambda *args: "unfold")  # a method that takes the scratch
         model(torch.randn(4, 3, 8, 8, dtype=DT)).sum().backward()
     assert seen and left == [0, 0, 0] and not methods._SCRATCH

@@ -5,7 +5,7 @@ hook and optimizer entry stays the very same object:
 
 - a torch.nn conv module (``Conv{1,2,3}d``, ``ConvTranspose{1,2,3}d`` or a subclass): the mixin of the drop-in
   modules (``convgrad.nn.modules.ConvgradMixin``) right above its torch base, so torch's own forward (and a
-  subclass's call of ``_conv_forward``) runs through convgrad;
+  subclass's call of torch's conv-forward method) runs through convgrad;
 - a module whose class has a forward of its own, written outside torch (a conv subclass such as timm's
   ``StdConv2d`` or ``Conv2dSame``, a block that calls ``F.conv2d`` on a blur kernel, a modulated conv, the model
   itself): its forward runs inside a routing mode (``Routing``, see ``convgrad.reach``), so every ``F.conv*d`` /
