@@ -275,5 +275,6 @@ def test_report_names_each_conv_call_and_what_auto_chose_from_the_store(tuned: N
                    torch.empty(spec.output_shape, dtype=DT).to(memory_format=torch.channels_last))]
         choice = next(c for c in choices if c is not None)
         assert row.gradients == (" / ".join(choice.parts) if choice.backend == "split" else choice.backend)
-        assert row.why.startswith(wanted)
+        assert row.why.startswith(wanted) and set(choice.pending) <= set(row.pending)
+    assert report.settled == (not any(row.pending for row in report.calls))
     assert "7 of 7 conv calls reached by convgrad" in str(report)

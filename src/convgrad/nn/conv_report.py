@@ -43,6 +43,8 @@ class ConvCallReport:
         gradients: what computes grad_input and grad_weight ("native", "fft", "fwdconv / gemm" where they differ,
             "-" where none is needed).
         why: the reason, with the tuned times where auto measured them.
+        pending: the candidates auto still compares on the calls that follow, for the forward or the gradients
+            (empty: settled, or nothing to compare).
     """
 
     module: str
@@ -53,6 +55,7 @@ class ConvCallReport:
     forward: str
     gradients: str
     why: str
+    pending: tuple[str, ...] = ()
 
 
 @dataclass
@@ -60,6 +63,11 @@ class ModelReport:
     """Every conv call of one forward (``report``); ``str()`` is a table, ``to_json()`` its rows."""
 
     calls: list[ConvCallReport]
+
+    @property
+    def settled(self) -> bool:
+        """Whether auto compares nothing more for any call (what the calls that follow run is decided)."""
+        return not any(c.pending for c in self.calls)
 
     @property
     def reached(self) -> int:
@@ -141,20 +149,20 @@ def _like(spec: ConvSpec, like: torch.Tensor, channels_last: bool) -> torch.Tens
 
 
 def _choices(spec: ConvSpec, backend: str, everywhere: bool, like: torch.Tensor, need_input: bool,
-             need_weight: bool) -> tuple[str, str, str]:
-    """(forward, gradients, why) for one call; ``like``: its input."""
+             need_weight: bool) -> tuple[str, str, str, tuple[str, ...]]:
+    """(forward, gradients, why, pending) for one call; ``like``: its input."""
     wanted = "both" if need_input and need_weight else "grad_input" if need_input else "grad_weight"
     if not (need_input or need_weight):
         wanted = ""
     if backend == "torch":
-        return "torch", "torch" if wanted else "-", "not reached by convgrad: patch(model) reaches it"
+        return "torch", "torch" if wanted else "-", "not reached by convgrad: patch(model) reaches it", ()
     if not everywhere and not get_backend(backend).can_serve(spec, like):
         return "native", "native" if wanted else "-", (f"{backend}'s cost model rules it out here: torch's own conv "
-                                                      f"(patch(..., force=True) forces {backend})")
+                                                      f"(patch(..., force=True) forces {backend})"), ()
     if backend != "auto":
-        return "native", backend if wanted else "-", "the module's backend"
+        return "native", backend if wanted else "-", "the module's backend", ()
     if auto.fixed():
-        return "native", "native" if wanted else "-", "auto in fixed mode (CONVGRAD_AUTOTUNE=fixed): native"
+        return "native", "native" if wanted else "-", "auto in fixed mode (CONVGRAD_AUTOTUNE=fixed): native", ()
     forward = auto.chosen(spec, "forward", like)
     grads, layout = None, ""
     for last in (False, True):  # grad_output's layout is the backward's: a key for either
@@ -181,7 +189,8 @@ def _choices(spec: ConvSpec, backend: str, everywhere: bool, like: torch.Tensor,
         gradients = " / ".join(grads.parts)
     else:
         gradients = grads.backend
-    return fwd, gradients, "; ".join(why) or "native: no other candidate"
+    pending = tuple(dict.fromkeys((*(forward.pending if forward else ()), *(grads.pending if grads else ()))))
+    return fwd, gradients, "; ".join(why) or "native: no other candidate", pending
 
 
 def report(model: nn.Module, *args: Any, **kwargs: Any) -> ModelReport:
@@ -242,8 +251,8 @@ def report(model: nn.Module, *args: Any, **kwargs: Any) -> ModelReport:
                                         call.transposed, call.output_padding, call.groups, fn=call.fn)
             batched = call.input if call.input.dim() == call.weight.dim() else call.input.unsqueeze(0)
             everywhere = True if module is None else module.__dict__.get(EVERYWHERE, True)
-            forward, gradients, why = _choices(spec, backend, everywhere, batched, call.input.requires_grad,
-                                               call.weight.requires_grad)
+            forward, gradients, why, pending = _choices(spec, backend, everywhere, batched, call.input.requires_grad,
+                                                        call.weight.requires_grad)
             rows.append(ConvCallReport(names.get(module, "") if module is not None else "", call.fn,
-                                       spec.describe(), _summary(spec), backend, forward, gradients, why))
+                                       spec.describe(), _summary(spec), backend, forward, gradients, why, pending))
     return ModelReport(rows)
