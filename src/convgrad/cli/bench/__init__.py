@@ -35,7 +35,6 @@ import argparse
 import ctypes
 import ctypes.util
 import datetime
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -152,14 +151,10 @@ def keep_malloc() -> str:
 
 
 def _meta(args: argparse.Namespace, device: Any, backends: list[str]) -> dict[str, Any]:
-    import torch
+    from convgrad.backends.auto import get_mode
+    from convgrad.cli.bench.timing import machine
 
-    from convgrad.backends.auto import device_name, get_mode
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    meta = {"suite": args.suite, "device": str(device), "device_model": device_name(device),
-            "cpu_model": device_name(torch.device("cpu")), "cores": cores, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "backends": " ".join(backends), "repeats": args.repeats,
+    meta = {"suite": args.suite, **machine(device), "backends": " ".join(backends), "repeats": args.repeats,
             "memory_format": "channels_last" if args.channels_last else "contiguous", "auto_mode": get_mode(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "convgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
