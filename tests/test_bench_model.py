@@ -135,8 +135,8 @@ def test_the_printed_report_names_the_machine_the_speedup_and_each_call(tuned: N
     monkeypatch.delenv("COLUMNS", raising=False)  # a pipe's width: whole rows
     code, out, err = _run("--model", NETWORK, "--input-shape", "2,3,12,12", *QUICK)
     assert code == 0, err
-    first = out.splitlines()[0]
-    assert first.startswith(f"{NETWORK}, input (2, 3, 12, 12), float32: ") and "1 thread," in first
+    first, machine = out.splitlines()[:2]
+    assert first == f"{NETWORK}, input (2, 3, 12, 12), float32" and " 1 thread, torch " in machine
     for words in ("step, median ± IQR", "first step", "peak memory of a step", "speed-up of the step",
                   "first-step cost", "conv2d in BlurPool.forward", "7 of 7 conv calls reached by convgrad"):
         assert words in out, words
@@ -251,3 +251,31 @@ def test_a_timm_model(tuned: None, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert len(r.calls) == 20 and {c.backend for c in r.calls} == {"auto"}
     assert [(c.forward, c.gradients) for c in r.calls] == _from_the_store(target, (2, 3, 32, 32))
     sys.modules.pop("_convgrad_model_timm_model", None)
+
+
+# ---- the run the docs show ------------------------------------------------------------------------------------------
+
+def _page_blocks() -> tuple[Any, list[str]]:
+    from helpers import load_script
+
+    bench_page = load_script("bench_page", TESTS.parent / "docs" / "bench_page.py")
+    bodies = []
+    for page in bench_page.MODEL_PAGES:
+        found = bench_page.MODEL_BLOCK.search(page.read_text())
+        assert found is not None, page
+        bodies.append(found.string[found.end(1):found.start(2)])
+    return bench_page, bodies
+
+
+def test_the_pages_show_the_kept_run_as_the_command_prints_it() -> None:
+    """docs/cli/bench.md and the how-to show docs/bench_model_run.json as `convgrad bench --model` prints it
+    (`python docs/bench_page.py --model RUN.json` writes both); a run with another figure would show otherwise."""
+    bench_page, bodies = _page_blocks()
+    text = bench_page.MODEL_RUN.read_text()
+    block = bench_page.model_block(text)
+    assert bodies == [block] * len(bench_page.MODEL_PAGES)
+    r = ModelBench.from_json(text)
+    assert f"speed-up of the step: {r.speedup:.2f}" in block and r.settings["command"].startswith("convgrad bench")
+    other = json.loads(text)
+    other["plain"]["steps"] = [t * 2 for t in other["plain"]["steps"]]
+    assert bench_page.model_block(json.dumps(other)) not in bodies

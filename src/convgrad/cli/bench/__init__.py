@@ -281,6 +281,8 @@ def _run_model(args: argparse.Namespace) -> int:
                          int(defaults["steps"]) if args.steps is None else args.steps,
                          defaults["min_time"] if args.min_time is None else args.min_time, int(defaults["warmup"]),
                          args.optimizer or "none", progress)
+    result.settings |= {"command": "convgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if args.json:
         print(result.to_json())
     elif not args.quiet and not demo_extras_missing("bench", "rich.table"):

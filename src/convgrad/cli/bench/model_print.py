@@ -22,10 +22,10 @@ def _plural(n: int, word: str) -> str:
 def _header(r: ModelBench) -> str:
     m = r.machine
     step = "forward, mean-square loss, backward" + (f", {r.optimizer} step" if r.optimizer != "none" else "")
-    return (f"{r.model}, input {r.input_shape}, {r.dtype}: {m['device_model']} ({m['device']}), "
-            f"{_plural(m['cores'], 'core')}, {_plural(m['threads'], 'thread')}, torch {m['torch']}, auto mode "
-            f"{r.settings['auto_mode']}\ntraining step: {step}; plain against convgrad.patch(copy, "
-            f"backend={r.backend!r})")
+    return (f"{r.model}, input {r.input_shape}, {r.dtype}\n"
+            f"{m['device_model']} ({m['device']}), {_plural(m['cores'], 'core')}, {_plural(m['threads'], 'thread')}, "
+            f"torch {m['torch']}, auto mode {r.settings['auto_mode']}\n"
+            f"training step: {step}; plain against convgrad.patch(copy, {r.backend!r})")
 
 
 def _summary(r: ModelBench) -> Any:
@@ -44,12 +44,13 @@ def _verdict(r: ModelBench) -> str:
                    "candidates it was still comparing")
     else:
         dropped = f"; {r.dropped} rounds dropped, in which auto changed a choice" if r.dropped else ""
+    why = (f": auto times its candidates for each distinct layer on its first call; then "
+           f"{_plural(r.settings['warmup'], 'patched step')} before the rounds, in which it compares the candidates "
+           "that survived" if r.backend == "auto" else f" (backend {r.backend!r}: nothing to tune)")
     return (f"speed-up of the step: {r.speedup:.2f} ± {r.speedup_iqr:.2f} ({SPEEDUP_LEGEND}; "
             f"{_plural(len(r.speedups), 'round')}{dropped})\n"
             f"first-step cost: the patched model's first step took {step_time(r.patched.first)}, "
-            f"{r.first_step_cost:.1f} plain steps: auto times its candidates for each distinct layer on its first "
-            f"call; then {_plural(r.settings['warmup'], 'patched step')} before the rounds, in which it compares the "
-            "candidates that survived")
+            f"{r.first_step_cost:.1f} plain steps{why}")
 
 
 def _calls(r: ModelBench) -> Any:
@@ -70,4 +71,5 @@ def show(console: Any, result: ModelBench) -> None:
     console.print(_header(result), soft_wrap=False, highlight=False)
     console.print(_summary(result))
     console.print(_verdict(result), highlight=False)
+    console.print()
     console.print(_calls(result))
