@@ -279,3 +279,15 @@ def test_the_pages_show_the_kept_run_as_the_command_prints_it() -> None:
     other = json.loads(text)
     other["plain"]["steps"] = [t * 2 for t in other["plain"]["steps"]]
     assert bench_page.model_block(json.dumps(other)) not in bodies
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"dtype": "int64"}, "--dtype='int64' must name a floating dtype"),
+    ({"dtype": "float31"}, "--dtype='float31' must name a floating dtype"),
+    ({"optimizer": "lbfgs"}, "--optimizer='lbfgs' must be one of none, sgd, adamw"),
+    ({"min_time": -1.0}, "--min-time=-1.0 must be at least 0"),
+    ({"warmup": -1}, "bench: warmup=-1 must be at least 0"),
+])
+def test_bench_model_refuses_bad_arguments_by_name(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        bench_model("convgrad.cli.check:example_model", (2, 3, 16, 16), **kwargs)

@@ -275,7 +275,8 @@ def bench_model(target: str, input_shape: tuple[int, ...], backend: str = "auto"
 
     Raises:
         ValueError: a target that does not load, a factory that raises, a model that fails on ``input_shape`` or
-            has no convolution, an unknown backend or optimizer, steps below 1, a negative min_time or warmup.
+            has no convolution or nothing to differentiate, an unknown backend, dtype or optimizer, steps below 1, a
+            negative min_time or warmup.
         TypeError: the factory does not return a torch.nn.Module.
 
     Source: the module's docstring; the docs' `convgrad bench` page, "Your own model".
@@ -287,14 +288,16 @@ def bench_model(target: str, input_shape: tuple[int, ...], backend: str = "auto"
         (2, True, [('0', 'fwdconv'), ('3', 'fwdconv')])
     """
     say = progress or (lambda line: None)
-    for name, value, low in (("steps", steps, 1), ("min_time", min_time, 0), ("warmup", warmup, 0)):
-        if value < low:
-            raise ConvgradValueError(f"{FN}: --{name.replace('_', '-')}={value} must be at least {low}")
+    for name, value, low in (("--steps", steps, 1), ("--min-time", min_time, 0), ("warmup", warmup, 0)):
+        if value < low:  # named as the command line names them; warmup is not an option there
+            raise ConvgradValueError(f"{FN}: {name}={value} must be at least {low}")
     if optimizer not in OPTIMIZERS:
         raise ConvgradValueError(f"{FN}: --optimizer={optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise ConvgradValueError(f"{FN}: --dtype={dtype!r} must name a floating dtype of torch (float32, ...)")
     backend = get_backend(backend, FN).name
     device = torch.device(device)
-    torch_dtype = getattr(torch, dtype)
     model = build_model(target, FN).to(device=device, dtype=torch_dtype)
     x = torch.randn(input_shape, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=torch_dtype)
     with model_fails(FN, target, input_shape):  # the wrong input size, in one forward before anything is timed
