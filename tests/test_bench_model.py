@@ -195,8 +195,10 @@ def test_peak_bytes_counts_what_a_step_allocates_beyond_what_was_live() -> None:
 
     def step() -> None:
         a = live * 2  # 4 MiB
-        b = a + 1  # 4 MiB more while a lives
+        b = a + 1  # 4 MiB more while a lives: 8 MiB
         del a, b
+        c = live * 3  # 4 MiB once both were freed: the peak stays 8 MiB
+        del c
 
     assert peak_bytes(step, torch.device("cpu")) >> 20 == 8  # and a few bytes of scalars
     assert peak_bytes(lambda: None, torch.device("cpu")) == 0
