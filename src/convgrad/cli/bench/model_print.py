@@ -61,7 +61,7 @@ def _calls(r: ModelBench) -> Any:
                   title="what each conv call runs after those steps: convgrad.report(patched, x)",
                   caption=f"{reached} of {len(r.calls)} conv calls reached by convgrad", caption_justify="left")
     for c in r.calls:
-        table.add_row(f"{c.module or '(model)'}\n{c.call}", c.layer, c.forward, c.gradients, c.why)
+        table.add_row(f"{c.module or '(model)'}\n{c.call}", c.summary, c.forward, c.gradients, c.why)
     return table
 
 
