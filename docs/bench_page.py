@@ -1,16 +1,24 @@
-"""Put a real `convgrad bench` run on the bench page: its per-layer speed-ups as a table and its speed-up chart.
+"""Put real `convgrad bench` runs on the pages: a suite's per-layer speed-ups and chart, and a `--model` run.
 
     convgrad bench --suite smoke --backends fwdconv gemm auto --threads 1 --out bench-results
     python docs/bench_page.py bench-results        # rewrites the block in docs/cli/bench.md, copies the chart
 
-The table goes between ``<!-- bench-run -->`` and ``<!-- /bench-run -->`` in docs/cli/bench.md, with the
-machine, the command and the date the run recorded; the chart becomes docs/img/bench-speedups.png. A run is
-timings of one machine at one moment: the page says so, and nothing checks the figures.
+    convgrad bench --model convgrad.cli.bench.examples:replknet_block --input-shape 2,64,56,56 --threads 1 --json \
+        > docs/bench_model_run.json
+    python docs/bench_page.py --model docs/bench_model_run.json   # rewrites the blocks of MODEL_PAGES
+
+The suite's table goes between ``<!-- bench-run -->`` and ``<!-- /bench-run -->`` in docs/cli/bench.md, with the
+machine, the command and the date the run recorded; the chart becomes docs/img/bench-speedups.png. The ``--model``
+run's JSON is kept as docs/bench_model_run.json, and what the command prints for it (``model_print.show``, 100
+columns) goes between ``<!-- bench-model-run -->`` and ``<!-- /bench-model-run -->`` on each page of
+``MODEL_PAGES``; tests/test_bench_model.py checks that the blocks are that JSON's. A run is timings of one machine
+at one moment, and auto's choices are made from timings: the pages say so, and nothing checks the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import shutil
@@ -21,6 +29,9 @@ DOCS = Path(__file__).resolve().parent
 PAGE = DOCS / "cli" / "bench.md"
 CHART = DOCS / "img" / "bench-speedups.png"
 TASKS = ("grad_input", "grad_weight", "both")
+MODEL_RUN = DOCS / "bench_model_run.json"
+MODEL_PAGES = (DOCS / "cli" / "bench.md", DOCS / "how-do-i.md")
+MODEL_BLOCK = re.compile(r"(?s)(<!-- bench-model-run -->\n).*?(<!-- /bench-model-run -->)")
 
 
 def table(data: dict[str, Any]) -> str:
@@ -59,10 +70,48 @@ def write(run: Path) -> None:
     shutil.copyfile(run / "speedups_float32.png", CHART)
 
 
+def model_block(text: str) -> str:
+    """The Markdown of one `convgrad bench --model` run (its --json output): where and when it ran, the command, and
+    what the command prints for it at 100 columns."""
+    from convgrad.cli import console
+    from convgrad.cli.bench.model import ModelBench
+    from convgrad.cli.bench.model_print import show
+
+    r = ModelBench.from_json(text)
+    out = io.StringIO()
+    show(console(file=out, width=100, no_color=True, force_terminal=False, highlight=False), r)
+    m, command = r.machine, r.settings["command"].replace(" --json", "")
+    return "\n".join([
+        f"*An example run, on {r.settings['date'][:10]}: {m['cpu_model']}, {m['cores']} cores, {m['threads']} "
+        "thread(s), a shared machine with other work beside it. Timings differ from run to run and between machines, "
+        "and so may what auto chooses where two candidates are close.*", "", "```text", f"$ {command}",
+        *(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines()), "```", ""])
+
+
+def write_model(run: Path) -> None:
+    """Keep ``run`` as MODEL_RUN and write its block on every page of MODEL_PAGES."""
+    text = run.read_text()
+    block = model_block(text)
+    for page in MODEL_PAGES:
+        new, count = MODEL_BLOCK.subn(lambda m: m[1] + block + m[2], page.read_text())
+        if count != 1:
+            raise SystemExit(f"{page}: needs one <!-- bench-model-run --> ... <!-- /bench-model-run --> block")
+        page.write_text(new)
+    if run.resolve() != MODEL_RUN.resolve():
+        MODEL_RUN.write_text(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path, help="the --out folder of a convgrad bench run (float32)")
-    write(parser.parse_args(argv).run)
+    parser.add_argument("run", type=Path, nargs="?", help="the --out folder of a convgrad bench run (float32)")
+    parser.add_argument("--model", type=Path, metavar="JSON", help="the --json output of a convgrad bench --model run")
+    args = parser.parse_args(argv)
+    if (args.run is None) == (args.model is None):
+        parser.error("give a suite run's folder or --model JSON")
+    if args.model is not None:
+        write_model(args.model)
+    else:
+        write(args.run)
 
 
 if __name__ == "__main__":

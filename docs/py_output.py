@@ -122,9 +122,21 @@ def page_state() -> Iterator[None]:
         auto.clear()
 
 
+def _torchvision_stand_in() -> None:
+    """timm (a block of the per-sample page) imports a few names of torchvision at import time; where torchvision
+    is not installed (CI: the registry has no CPU wheel of it for this torch), the tests' stand-in gives them."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        stubs = str(ROOT / "tests" / "stubs")
+        if stubs not in sys.path:
+            sys.path.append(stubs)
+
+
 def run_page(page: Path, workdir: Path | None = None) -> list[str]:
     """Run the page's Python blocks in order in one namespace (in ``workdir``, default a fresh temporary folder);
     what each printed."""
+    _torchvision_stand_in()
     namespace: dict[str, Any] = {"__name__": "__main__"}
     outputs = []
     with page_state(), tempfile.TemporaryDirectory() as tmp:

@@ -97,7 +97,14 @@ MODEL = textwrap.dedent("""
 
     def small_cnn():
         return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=2), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1))
+
+    def broken():
+        raise RuntimeError("no weights here")
+
+    def no_conv():
+        return torch.nn.Linear(3, 3)
 """)
+BENCH_MODEL = ["--model", "mymodels:small_cnn", "--input-shape", "2,3,9,9"]
 
 
 @pytest.fixture
@@ -124,12 +131,34 @@ def model_dir(tmp_path: Path) -> Path:
     ("check", ["--input", "100000,100000,100000", "--weight", "1,100000,1", "--backend", "native"],
      "not enough memory for these sizes (tried to allocate 8000000000000000 bytes)"),  # 8 PB: beyond any address space
     ("demo", ["--out", "{tmp}/mymodels.py/run", "--steps", "1"], "mymodels.py/run: Not a directory"),  # before training
+    # bench --model: check --model's loader, its messages naming bench
+    ("bench", ["--model", "mymodels:small_cnn", "--input-shape", "2,5,9,9"],
+     "--model='mymodels:small_cnn' fails on --input-shape=2,5,9,9 (RuntimeError: Given groups=1"),
+    ("bench", ["--model", "mymodels:broken", "--input-shape", "2,3,9,9"],
+     "--model='mymodels:broken': broken() failed (RuntimeError: no weights here)"),
+    ("bench", ["--model", "no_such_module_xyz:build", "--input-shape", "2,3,9,9"],
+     "cannot import 'no_such_module_xyz'"),
+    ("bench", ["--model", "mymodels:nothing", "--input-shape", "2,3,9,9"], "mymodels has no callable 'nothing'"),
+    ("bench", ["--model", "mymodels:no_conv", "--input-shape", "2,3"], "has no convolution"),
+    ("bench", ["--model", "mymodels:small_cnn"], "--model needs --input-shape, e.g. --input-shape 8,3,224,224"),
+    ("bench", [*BENCH_MODEL, "--layers", "resnet*"], "--layers applies to the suites, not to --model"),
+    ("bench", ["--suite", "smoke", "--steps", "3"], "--steps applies to --model, not to the suites"),
+    ("bench", [*BENCH_MODEL, "--dtype", "float32", "float64"], "--model times one --dtype, not float32 float64"),
+    ("bench", [*BENCH_MODEL, "--backend", "nope"], "backend='nope' is not registered"),
+    ("bench", [*BENCH_MODEL, "--steps", "0"], "--steps=0 must be at least 1"),
 ])
 def test_user_errors_are_one_line_and_exit_2(command: str, argv: list[str], message: str, model_dir: Path) -> None:
     """Before: tracebacks (AssertionError for cuda, FileNotFoundError for --plot, the model's RuntimeError),
     doubled prefixes ("convgrad check: error: check: ...")."""
     proc = _convgrad(command, *(a.replace("{tmp}", str(model_dir)) for a in argv), cwd=model_dir)
     _assert_one_line_error(proc, command, message)
+
+
+@pytest.mark.parametrize("model", ["mymodels:broken", "mymodels:nothing", "mymodels", "missing.py:f"])
+def test_bench_model_errors_name_bench_not_check(model: str, model_dir: Path) -> None:
+    """The loader is check's: its messages said "check: --model=..." under `convgrad bench` too."""
+    proc = _convgrad("bench", "--model", model, "--input-shape", "2,3,9,9", cwd=model_dir)
+    assert proc.returncode == 2 and "check" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(("argv", "module"), [(["bench", "--suite", "smoke", "--list"], "rich.progress"),

@@ -46,7 +46,7 @@ def _twins(backend: str, device: torch.device, dtype: torch.dtype = F64) -> tupl
     native = _model(torch.nn).to(device, dtype)
     ours = _model(cnn).to(device, dtype)
     for m in ours.modules():
-        if isinstance(m, cnn._ConvgradMixin):
+        if isinstance(m, cnn.modules.ConvgradMixin):
             m.backend = backend
     ours.load_state_dict(native.state_dict())
     return native, ours

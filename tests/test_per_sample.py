@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import convgrad as cg
-from convgrad.per_sample import methods, rules
+from convgrad.per_sample import methods, rules, session
 from convgrad.tuning import Choice
 from convgrad.tuning.tuner import PRUNE_ESTIMATE
 from helpers import TOL, Case, assert_matches_autograd, layer_case, make_tensors, reference_forward, reference_grads
@@ -399,21 +399,65 @@ def test_a_module_called_twice_sums_its_calls() -> None:
             assert_matches_autograd({"w": conv.weight.grad_sample}, {"w": ref["0.weight"]}, DT, "shared conv")
 
 
-def test_unsupported_module_is_refused_by_name() -> None:
-    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.PReLU(2)))
-    with pytest.raises(ValueError, match=r"'1\.0' \(PReLU\)"):
-        cg.PerSampleGrads(model)
-    model[1][0].requires_grad_(False)  # frozen: nothing to compute, accepted
-    cg.PerSampleGrads(model)
+def _check_against_the_loop(model: nn.Module, x: torch.Tensor, norms_only: bool = False) -> cg.PerSampleGrads:
+    """PerSampleGrads over ``model`` (a summed loss) against a loop over single samples: every trainable parameter's
+    per-sample gradients (full mode), the norms and the clipped sum (both modes)."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    ref = _model_references(model, x, use_vmap=False)[0]
+    ref = {k: ref[k] for k in params}
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    model.zero_grad()
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
+        _loss(model(x), "sum").backward()
+    if not norms_only:
+        assert_matches_autograd({k: p.grad_sample for k, p in params.items()}, ref, DT, "grad_sample")
+    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+    model.zero_grad()
+    bound = float(norms.median())
+    psg.clip_and_accumulate(bound)
+    factors = (bound / (norms + 1e-6)).clamp(max=1.0)
+    expected = {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}
+    assert_matches_autograd({k: p.grad for k, p in params.items()}, expected, DT, "clipped sum")
+    return psg
 
 
-def test_subclass_with_its_own_forward_is_refused() -> None:
-    class Scaled(nn.Conv2d):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x) * 2
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_a_module_without_a_rule_gets_its_per_sample_gradients_from_its_own_forward(norms_only: bool) -> None:
+    """PReLU has no rule (its weight meets the samples in prelu): refused before issue 38, now rerun per sample."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sequential(nn.PReLU(2)), nn.Flatten(), nn.Linear(2 * 4 * 4, 2))
+    psg = _check_against_the_loop(model.to(DT), torch.randn(3, 1, 6, 6, dtype=DT), norms_only)
+    assert psg.report()["1.0.weight"] == "rerun of module '1.0' (PReLU) per sample (prelu)"
+    assert psg.report()["0.weight"] == "conv2d"
 
-    with pytest.raises(ValueError, match="Scaled"):
-        cg.PerSampleGrads(nn.Sequential(Scaled(1, 1, 1)))
+
+class Scaled(nn.Conv2d):
+    """A conv subclass with a forward of its own (timm's Conv2dSame, StdConv2d are such)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+class Standardised(nn.Conv2d):
+    """timm's StdConv2d: the weight standardised in the forward, by batch_norm over the weight itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0,
+                         eps=1e-6).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+@pytest.mark.parametrize("cls", [Scaled, Standardised])
+def test_a_subclass_with_its_own_forward_follows_the_functions_it_calls(cls: type, norms_only: bool) -> None:
+    """Refused before issue 38 (and, once patched, Standardised's per-sample gradients were off by 0.85)."""
+    torch.manual_seed(4)
+    model = nn.Sequential(cls(2, 3, 3, stride=2, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 3 * 3, 2))
+    x = torch.randn(4, 2, 6, 6, dtype=DT)
+    psg = _check_against_the_loop(model.to(DT), x, norms_only)
+    if cls is Standardised:
+        assert psg.report()["0.weight"] == "conv2d through a transform (its weight computed from it)"
+    _check_against_the_loop(cg.patch(model, backend="fwdconv"), x, norms_only)  # patched: the same
 
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
@@ -450,10 +494,24 @@ def test_bad_arguments_and_misuse_are_refused() -> None:
         model(torch.randn(2, 2)).sum().backward()
     with pytest.raises(ValueError, match="max_norm=0"):
         psg.clip_and_accumulate(0)
-    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    tied[1].weight = tied[0].weight
-    with pytest.raises(ValueError, match="share a parameter"):
-        cg.PerSampleGrads(tied, norms_only=True)
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_a_parameter_shared_by_two_modules_sums_its_calls_before_its_norm(norms_only: bool) -> None:
+    """Refused with norms_only before issue 38: each call's norm was kept apart and norms do not add."""
+    torch.manual_seed(12)
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3), nn.Conv1d(1, 2, 2)).to(DT)
+    tied[2].weight = tied[0].weight
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = tied
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x).flatten(1)
+
+    _check_against_the_loop(Net(), torch.randn(4, 1, 3, dtype=DT), norms_only)
 
 
 # ---- BatchNorm, micro-batches, shared parameters, wrappers --------------------------------------------------------
@@ -561,25 +619,33 @@ class DirectUse(nn.Module):
 
 
 @pytest.mark.parametrize("norms_only", [False, True])
-def test_a_gradient_from_outside_the_modules_forward_is_refused_not_left_out(norms_only: bool) -> None:
+def test_a_gradient_from_outside_the_models_forward_is_refused_not_left_out(norms_only: bool) -> None:
     """Regression: such a gradient went into .grad unclipped, or was dropped, and no norm included it."""
     torch.manual_seed(10)
     model = DirectUse().to(DT)
     x = torch.randn(3, 2, 5, 5, dtype=DT)
-    with pytest.raises(ValueError, match=r"parameter 'c\.weight' received a gradient from outside its module"), \
-            cg.PerSampleGrads(model, norms_only=norms_only):
-        _loss(model(x, direct=True), "sum").backward()
-    with pytest.raises(ValueError, match=r"parameter 'fc\.weight' received a gradient from outside"), \
+    with pytest.raises(ValueError, match=r"parameter 'fc\.weight' received a gradient from outside the model's"), \
             cg.PerSampleGrads(model, norms_only=norms_only):
         (_loss(model(x, direct=False), "sum") + model.fc.weight.square().sum()).backward()
-    model.zero_grad()
-    # the module's own forward: accepted, right
-    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
-        _loss(model(x, direct=False), "sum").backward()
-    grads = [torch.autograd.grad(_loss(model(x[i:i + 1], direct=False), "sum"), list(model.parameters()))
-             for i in range(3)]
-    norms = torch.stack([torch.cat([g.flatten() for g in gs]).norm() for gs in grads])
-    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_a_parameter_used_by_a_function_outside_its_modules_forward_is_reached(norms_only: bool,
+                                                                               direct: bool) -> None:
+    """F.conv2d(x, self.c.weight) in the parent's forward: refused before issue 38, now the conv rule's."""
+    torch.manual_seed(10)
+    model = DirectUse().to(DT)
+
+    class Call(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.m(x, direct=direct)
+
+    _check_against_the_loop(Call(), torch.randn(3, 2, 5, 5, dtype=DT), norms_only)
 
 
 @pytest.mark.parametrize("norms_only", [False, True])
@@ -617,12 +683,21 @@ def test_a_module_called_on_part_of_the_batch_is_refused() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
-@pytest.mark.parametrize("wrap", [nn.utils.spectral_norm, nn.utils.weight_norm])
-def test_a_reparametrised_weight_is_refused_by_name(wrap) -> None:
-    """Regression: spectral_norm and weight_norm (hook style) failed inside the backward with KeyError: 'weight'."""
-    model = nn.Sequential(wrap(nn.Conv2d(2, 2, 3)))
-    with pytest.raises(ValueError, match=r"module '0' \(Conv2d\) has trainable parameters \['weight_"):
-        cg.PerSampleGrads(model)
+@pytest.mark.parametrize("norms_only", [False, True])
+@pytest.mark.parametrize("wrap", [nn.utils.spectral_norm, nn.utils.weight_norm, nn.utils.parametrizations.weight_norm,
+                                  nn.utils.parametrizations.spectral_norm])
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_reparametrised_weight_gets_its_layers_gradient_pulled_back(wrap, nested: bool, norms_only: bool) -> None:
+    """Refused before issue 38 (hook-style spectral_norm and weight_norm failed in the backward with KeyError).
+    The per-sample gradient of weight_g, weight_v (or original0/1, weight_orig) is the conv's pulled back through
+    the parametrisation; spectral_norm's power iteration runs in eval mode, so the loop sees the same sigma."""
+    torch.manual_seed(13)
+    conv = wrap(nn.Conv1d(2, 2, 3)).to(DT)
+    if nested:
+        _check_against_the_loop(nn.Sequential(conv, nn.Flatten(), nn.Linear(2 * 3, 2)).to(DT).eval(),
+                                torch.randn(3, 2, 5, dtype=DT), norms_only)
+    else:  # the conv is the model: its own pre-hook computes the weight, after the context's (which runs first)
+        _check_against_the_loop(conv.eval(), torch.randn(3, 2, 3, dtype=DT), norms_only)
 
 
 def test_data_parallel_is_refused() -> None:
@@ -993,7 +1068,7 @@ def test_the_scratch_buffers_are_released_when_the_backward_ends(norms_only: boo
     of the backward starts, nor after the backward (kept, they sat beside the next layer's transients)."""
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 2)).to(DT)
     seen, left = [], []
-    scratch, layer_backward = methods.scratch, cg.PerSampleGrads._layer_backward
+    scratch, layer_backward = methods.scratch, session.Session._layer_backward
     methods.release_scratch()  # what the functional calls of other tests left
 
     def spy(*args: object, **kwargs: object) -> torch.Tensor:
@@ -1007,7 +1082,7 @@ def test_the_scratch_buffers_are_released_when_the_backward_ends(norms_only: boo
     with pytest.MonkeyPatch.context() as mp, \
             cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
         mp.setattr(methods, "scratch", spy)
-        mp.setattr(cg.PerSampleGrads, "_layer_backward", entry)
+        mp.setattr(session.Session, "_layer_backward", entry)
         mp.setattr(rules.tuning, "method_for", lambda *args: "unfold")  # a method that takes the scratch
         model(torch.randn(4, 3, 8, 8, dtype=DT)).sum().backward()
     assert seen and left == [0, 0, 0] and not methods._SCRATCH
@@ -1226,3 +1301,13 @@ def test_half_precision_bias_norms_accumulate_wide(dtype: torch.dtype, monkeypat
             (conv(x) * 3.0).sum().backward()
         got = psg.norms()
         assert torch.isfinite(got).all() and ((got.double() - ref).abs() <= HALF_TOL[dtype] * ref).all(), got
+
+
+@pytest.mark.parametrize("norms_only", [False, True])
+def test_a_tuned_depthwise_layer_with_a_1x1_output_clips_without_a_key_error(tuned: None, norms_only: bool) -> None:
+    """Regression (issue 38, F3): where storing is allowed, raced() drops "unfold" for "unfold+store", yet the
+    tuning took "unfold" as its reference and raised KeyError: 'unfold' in the backward (efficientnet_b0,
+    mobilenetv3, convnext_atto at 32x32: their depthwise convs reach a 1x1 output)."""
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.Flatten(), nn.Linear(8, 2)).to(DT)
+    _check_against_the_loop(model, torch.randn(4, 8, 3, 3, dtype=DT), norms_only)

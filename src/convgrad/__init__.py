@@ -24,7 +24,7 @@ _LAZY: dict[str, str] = {
          "conv_transpose2d", "conv_transpose3d", "no_weight_gradients"],
         "convgrad.autograd",
     ),
-    **dict.fromkeys(["patch", "unpatch"], "convgrad.nn"),
+    **dict.fromkeys(["patch", "unpatch", "report"], "convgrad.nn"),
     **dict.fromkeys(["per_sample_weight_grad", "per_sample_bias_grad", "per_sample_grad_norms", "PerSampleGrads"],
                     "convgrad.per_sample"),
     **dict.fromkeys(["explain", "native_backend", "Recipe", "NativeChoice"], "convgrad.explain"),

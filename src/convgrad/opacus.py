@@ -58,7 +58,7 @@ def _module_types() -> list[type]:
 
 def _rule(module: nn.Module, activations: list[torch.Tensor], backprops: torch.Tensor) -> ConvLayer:
     x = activations[0].to(backprops.dtype)  # autocast: the input may be in lower precision than grad_output
-    return ConvLayer(module, x, backprops, 1.0)  # Opacus has already scaled backprops for a mean loss
+    return ConvLayer.for_module(module, x, backprops, 1.0)  # Opacus has already scaled backprops for a mean loss
 
 
 def grad_sampler(module: nn.Module, activations: list[torch.Tensor],
@@ -111,7 +111,7 @@ def norm_sampler(module: nn.Module, activations: list[torch.Tensor],
     """
     layer = _rule(module, activations, backprops)
     with one_layer():
-        if any(_more_calls(p) or hasattr(p, _CALLS_SUM) for p in layer.params().values()):
+        if any(_more_calls(p) or hasattr(p, _CALLS_SUM) for p in (getattr(module, k) for k in layer.shapes)):
             sq = {k: sq_norms(_add_call(getattr(module, k), g)) for k, g in layer.grads().items()}
         else:
             sq = layer.param_sq_norms()  # float32 for half precision: squares overflow

@@ -3,12 +3,13 @@ call and sends it through the native shortcut, the ExpandedWeights Function or t
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import torch
 
-from convgrad.autograd import function
+from convgrad import scopes
 from convgrad.autograd.expanded import ExpandedConvFunction, unexpand
 from convgrad.autograd.function import SCRIPT_UNSUPPORTED, ConvCore, ConvFunction, shape_of
 from convgrad.autograd.shortcut import PARAMETER_TYPES, CallMemo, auto_state, memo_key, native_throughout, torch_conv
@@ -16,7 +17,11 @@ from convgrad.backends import Backend, get_backend, traceable_names
 from convgrad.backends.native import forward as native_forward
 from convgrad.checks import check_same_kind, check_tensor, check_untraced
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
+from convgrad.reach import ConvCall, dispatch
 from convgrad.spec import ConvSpec, IntOrTuple, PaddingArg
+
+# a function mode on the stack (convgrad.reach) gets every call first; one C call when there is none
+_function_modes = torch._C._len_torch_function_stack
 
 __all__ = ["apply", "conv", "conv1d", "conv2d", "conv3d", "conv_transpose", "conv_transpose1d", "conv_transpose2d",
            "conv_transpose3d"]
@@ -86,7 +91,37 @@ def _note_export(fn: str) -> bool:
 
 def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: IntOrTuple,
            padding: PaddingArg, dilation: IntOrTuple, transposed: bool, output_padding: IntOrTuple, groups: int,
-           backend: str, memo: CallMemo | None = None) -> torch.Tensor:
+           backend: str, memo: CallMemo | None = None, routed: bool = False, everywhere: bool = True) -> torch.Tensor:
+    """Validate one convolution call and run it: every public entry point and every convgrad module comes here.
+
+    In order: a function mode on the stack (``convgrad.reach``: a capture records the call) gets the call first;
+    ExpandedWeights are unwrapped; every operand is checked against the backend, cast under autocast, and the
+    spec is built from the shapes (sizes as traced values under torch.compile and torch.jit.trace). Then the call
+    takes one of four roads: under torch.compile of a torch.func transform, the forward itself (Dynamo
+    differentiates it); with an ExpandedWeight, the ExpandedWeights Function; where convgrad would run nothing but
+    torch's own convolution, that convolution with torch's autograd node (``autograd.shortcut``, memoised per
+    module in ``memo``); otherwise the main Function (``ConvCore`` while Dynamo traces).
+
+    Args:
+        fn: the name errors start with (``"conv2d"``, ``"Conv2d"``, ``"conv2d in StdConv2d.forward"``).
+        input, weight, bias: as ``conv`` / ``conv_transpose`` take them.
+        stride, padding, dilation, transposed, output_padding, groups: aten.convolution's arguments (padding may
+            be a string or per-side pairs).
+        backend: a registered backend's name.
+        memo: the calling module's memo of its last native call, or None.
+        routed: whether ``convgrad.reach.dispatch`` already handed this call on (so it is not handed on again).
+        everywhere: False for a backend that ``patch()`` set model-wide without ``force=True``: where the
+            backend's cost model rules it out (``Backend.can_serve``), torch's own convolution runs instead.
+
+    Returns:
+        ``(N, C_out, *out)``, or ``(C_out, *out)`` for an unbatched input.
+
+    Raises:
+        ValueError, TypeError: as ``conv`` (the message starts with ``fn``).
+    """
+    if not routed and _function_modes():
+        call = ConvCall(fn, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+        return dispatch(call, functools.partial(_handed_on, backend, memo, everywhere), backend)
     b = get_backend(backend, fn)
     if type(weight) in PARAMETER_TYPES and (bias is None or type(bias) in PARAMETER_TYPES):
         expanded = None  # neither is an ExpandedWeight (a subclass)
@@ -104,7 +139,7 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         check_untraced(fn, b, tensors, returns_gradients=False)
     compiling = torch.compiler.is_compiling()
     transformed = compiling and torch._C._are_functorch_transforms_active()
-    if transformed and function.weight_gradients_disabled:
+    if transformed and scopes.weight_gradients_disabled:
         raise ConvgradValueError(_NO_WEIGHT_GRADIENTS_UNDER_TRANSFORM.format(fn=fn))
     # torch.jit.trace gives sizes as tensors, Dynamo traces a tuple best: shape_of there, else the sizes as they are.
     # torch._C's query, not torch.jit.is_tracing (two Python frames): Dynamo, for which compiling is True, never
@@ -115,6 +150,9 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                                 memo=not compiling)
     if bias is not None and (shape_of(bias) if sized else bias.shape) != (spec.out_channels,):
         raise ConvgradValueError(f"{fn}: bias.shape={shape_of(bias)} must be (out_channels,)=({spec.out_channels},)")
+    if not everywhere and not b.can_serve(spec, input):
+        _keep_native(b.name, spec)
+        backend, b = "native", get_backend("native")
     exporting = compiling and _is_exporting()
     if exporting:
         _note_export(fn)
@@ -139,6 +177,26 @@ def apply(fn: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if spec.unbatched:
         return cls.apply(input.unsqueeze(0), weight, bias, spec, backend).squeeze(0)  # (C_out, *o)
     return cls.apply(input, weight, bias, spec, backend)
+
+
+def _handed_on(backend: str, memo: CallMemo | None, everywhere: bool, call: ConvCall) -> torch.Tensor:
+    """``apply`` of a call that ``dispatch`` handed on (possibly with a capture's detached operands)."""
+    return apply(call.fn, call.input, call.weight, call.bias, call.stride, call.padding, call.dilation,
+                 call.transposed, call.output_padding, call.groups, backend, memo, routed=True, everywhere=everywhere)
+
+
+_kept_native: set[tuple[str, str]] = set()  # (backend, layer) already warned about
+
+
+def _keep_native(backend: str, spec: ConvSpec) -> None:
+    """Say once per backend and layer that patch()'s model-wide backend leaves this layer to torch's own conv."""
+    layer = spec.describe()
+    if (backend, layer) in _kept_native:
+        return
+    _kept_native.add((backend, layer))
+    warnings.warn(f"patch(backend={backend!r}): {backend}'s cost model rules it out on {layer} (it cannot beat "
+                  f"torch's own kernel there), so torch's convolution runs this layer; patch(model, "
+                  f"backend={backend!r}, force=True) runs {backend} on every layer", UserWarning, stacklevel=4)
 
 
 def conv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: IntOrTuple = 1,

@@ -1,67 +1,39 @@
 """The main autograd Function: a native (or auto-tuned) forward and a backward computed by the chosen backend.
 
-Also the state every convgrad convolution reads: the ``no_weight_gradients`` scope. The ExpandedWeights Function
+The ExpandedWeights Function
 (``expanded``) and the native shortcut (``shortcut``) build on this module; ``calls`` holds the public entry points.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from convgrad import scopes
 from convgrad.backends import Backend, backend_names, get_backend, traceable_names
 from convgrad.backends.auto import forward as auto_forward
 from convgrad.backends.native import forward as native_forward
 from convgrad.checks import check_untraced
 from convgrad.errors import ConvgradValueError
+from convgrad.scopes import no_weight_gradients
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import bias_grad
 
 __all__ = ["SCRIPT_UNSUPPORTED", "ConvCore", "ConvFunction", "check_differentiation", "no_weight_gradients",
-           "shape_of", "weight_gradients_disabled"]
+           "shape_of"]
 
 # Every backend registered now, at import, not on the first lookup inside a compiled call: Dynamo traces the imports
 # that lookup runs (pkgutil's posix.stat, with a warning), and they left captured tracebacks alive (issue 25, item 8)
 backend_names()
-
-# open no_weight_gradients scopes: written only there, read elsewhere as function.weight_gradients_disabled (a
-# module attribute, like the global it was, so Dynamo guards it the same way)
-weight_gradients_disabled = 0
 
 # TorchScript cannot compile a Python autograd.Function, so no convgrad convolution can be scripted
 SCRIPT_UNSUPPORTED = (
     "{fn} cannot compile convgrad's convolutions: their backward is a Python autograd.Function, which TorchScript "
     "cannot hold; use torch.compile or torch.export (or torch.jit.trace, which records the Function), or "
     "convgrad.unpatch(model) before scripting to get torch's own convolutions back")
-
-
-@contextlib.contextmanager
-def no_weight_gradients() -> Iterator[None]:
-    """Skip grad_weight of every convgrad convolution inside the scope (R1 / path-length penalties).
-
-    Like NVIDIA's conv2d_gradfix: inside the scope, weights receive no gradient from
-    convgrad convolutions, so only grad_input (and grad_bias) is computed.
-
-    Examples:
-        >>> import torch, convgrad as cg
-        >>> x = torch.randn(1, 2, 5, 5, requires_grad=True)
-        >>> w = torch.randn(3, 2, 3, 3, requires_grad=True)
-        >>> with cg.no_weight_gradients():
-        ...     gx, = torch.autograd.grad(cg.conv2d(x, w).sum(), [x])
-        >>> w.grad is None
-        True
-    """
-    global weight_gradients_disabled
-    weight_gradients_disabled += 1
-    try:
-        yield
-    finally:
-        weight_gradients_disabled -= 1
 
 
 class ConvCore(torch.autograd.Function):
@@ -90,7 +62,7 @@ class ConvCore(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         input, weight = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        need_weight = need_weight and not weight_gradients_disabled
+        need_weight = need_weight and not scopes.weight_gradients_disabled
         backend = get_backend(ctx.backend, "ConvFunction.backward")
         gi = gw = None
         if need_input or need_weight:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from convgrad.autograd import function
+from convgrad import scopes
 from convgrad.backends.auto import fixed as auto_fixed
 from convgrad.backends.auto import memo_state as auto_memo_state
 from convgrad.backends.auto import settled_native as auto_settled_native
@@ -38,7 +38,7 @@ def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight:
         pass
     elif backend != "auto":
         return False
-    if (function.weight_gradients_disabled or input.is_complex() or not spec.is_symmetric or not input.is_contiguous()
+    if (scopes.weight_gradients_disabled or input.is_complex() or not spec.is_symmetric or not input.is_contiguous()
             or not weight.is_contiguous() or torch._C._is_tracing()):  # apply never asks it while Dynamo traces
         return False
     if weight.dtype in HALF_DTYPES and spec.reads_only_padding:  # native's test, inline: a call would add a frame
@@ -51,7 +51,7 @@ def native_throughout(spec: ConvSpec, backend: str, input: torch.Tensor, weight:
 
 def drop_weight_gradient(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Post-hook of a ``torch_conv`` node: a backward inside ``no_weight_gradients`` gives the weight nothing."""
-    if not function.weight_gradients_disabled:
+    if not scopes.weight_gradients_disabled:
         return None
     return (grad_inputs[0], None, *grad_inputs[2:])
 

@@ -1,30 +1,34 @@
-"""PerSampleGrads: per-sample gradients, norms and clipped sums for a whole model, with module hooks.
+"""PerSampleGrads: per-sample gradients, norms and clipped sums of every trainable parameter of a model.
 
-How it hooks in, per supported module and forward call:
-    pre-hook      swap the trainable parameters for detached aliases, so that the
-                  module's own backward computes grad_input only (no batch-summed
-                  weight gradient that would be thrown away or recomputed);
-    forward hook  put the parameters back and pass the output through tap.Tap, an
-                  identity marked as in-place (so later in-place ops such as
-                  ReLU(inplace=True) stay legal) whose inputs are the output and
-                  the parameters;
-    Tap backward  receives grad_output, hands it with the saved input to the
-                  module's rule (``convgrad.per_sample.rules``) and returns, as
-                  the parameters' ordinary gradients, the sum of the per-sample
-                  ones (norms_only or DDP: none; clip_and_accumulate adds to .grad).
+It reaches the parameters through the functions a forward calls, not through module types, so a subclass with a
+forward of its own, a conv called as a function, or a weight computed in the forward needs no rule of its own:
 
-Under DistributedDataParallel the context runs the model under ``no_sync()``, so that
-DDP's buckets, which fire during the backward before any per-sample norm exists, never
-all-reduce an unclipped gradient; ``clip_and_accumulate`` makes one all-reduce of the
-clipped sums instead (as Opacus's DistributedDPOptimizer does after its clipping).
+    hooks     a pre-hook and a forward hook on every module keep the stack of the modules whose forward runs (for
+              the messages, and to find the module a rerun belongs to); the outermost forward runs with the capture
+              mode on the stack (``convgrad.per_sample.capture``), which sees every torch function call
+              (``convgrad.per_sample.session`` holds this machinery);
+    capture   a layer function that a parameter reaches (conv, linear, the norms, embedding) runs on detached
+              operands, and its output is tapped (``tap.Tap``); an operation where a parameter meets the samples
+              outside any rule marks the innermost running module that holds the parameter for a rerun;
+    backward  a layer's tap hands grad_output and its saved input to the rule (``convgrad.per_sample.rules``); the
+              operands' per-sample gradients are pulled back to the parameters they were computed from (one
+              vmapped backward of that transform, ``torch.autograd.grad(is_grads_batched=True)``); a rerun
+              module's tap runs its forward per sample (``convgrad.per_sample.fallback``);
+    results   the context keeps what its own backward computed: ``.grad_sample``, the norms, the clipped sums.
+
+Parameters stay the very same objects throughout: nothing is swapped, so a model's parameters are its optimizer's
+whatever happens inside the context.
+
+Under DistributedDataParallel the context runs the model under ``no_sync()``, so that DDP's buckets, which fire
+during the backward before any per-sample norm exists, never all-reduce an unclipped gradient;
+``clip_and_accumulate`` makes one all-reduce of the clipped sums instead (as Opacus's DistributedDPOptimizer does
+after its clipping).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch import nn
@@ -32,41 +36,40 @@ from torch import nn
 from convgrad.checks import check_module
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.per_sample import distributed
-from convgrad.per_sample.methods import one_layer, sq_norms
-from convgrad.per_sample.rules import SAMPLE_MIXING, Grads, Layer, mixes_samples, rule_for
-from convgrad.per_sample.tap import BatchGuard, Record, Tap
+from convgrad.per_sample.session import Session
 
 __all__ = ["PerSampleGrads"]
-
-
-_SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn), Linear, GroupNorm, LayerNorm, "
-              "BatchNorm in eval mode")
-
 
 class PerSampleGrads:
     """Context manager: per-sample gradients (``.grad_sample``), per-sample norms and clipped sums for DP-SGD.
 
-    Inside the ``with`` block, run the forward pass and ``loss.backward()``. Afterwards
-    every trainable parameter of every supported module has ``.grad_sample`` of shape
-    ``(N, *param.shape)``, as Opacus defines it: the gradient of each sample's own loss. The
-    default ``loss_reduction="mean"`` fits a loss that is a mean over the batch, as PyTorch's
-    losses and Opacus default to (``F.cross_entropy(model(x), y)``): each per-sample gradient is
-    then N times its share of ``.grad``. For a summed loss (``reduction="sum"``) pass
+    Inside the ``with`` block, run the forward pass and ``loss.backward()``. Afterwards every trainable parameter
+    of the model that the loss reached has ``.grad_sample`` of shape ``(N, *param.shape)``, as Opacus defines it:
+    the gradient of each sample's own loss. The default ``loss_reduction="mean"`` fits a loss that is a mean over
+    the batch, as PyTorch's losses and Opacus default to (``F.cross_entropy(model(x), y)``): each per-sample
+    gradient is then N times its share of ``.grad``. For a summed loss (``reduction="sum"``) pass
     ``loss_reduction="sum"``; a mismatch scales every per-sample gradient and norm by N or 1/N.
-    A module called several times in one forward sums its calls, like ``.grad``.
 
-    The backward also adds to the ordinary ``.grad`` the sum of the per-sample gradients
-    (divided by N for "mean") instead of a separate batch-summed weight gradient: during the
-    forward the supported parameters are swapped for detached aliases (see the module doc).
+    Every trainable parameter is reached however it reaches its layer. The layer functions have rules (conv1d/2d/3d
+    and conv_transpose1d/2d/3d with any padding, padding mode, groups, dilation, output_size; linear; layer_norm,
+    group_norm, rms_norm; batch_norm with running statistics; embedding), whoever calls them: torch.nn's modules,
+    a subclass with its own forward (timm's ``StdConv2d``, ``Linear``, ``LayerNorm2d``), ``F.conv2d`` in any
+    forward, convgrad's own modules and patched models. A weight computed from parameters in the forward (weight
+    standardisation, a ``weight_norm`` / ``spectral_norm`` parametrization, ``w0 + B @ A``, ``gain * w``) gets its
+    layer's per-sample gradient pulled back to its parameters, exactly. A parameter that meets the samples in any
+    other operation (a layer-scale ``x * gamma``) gets its per-sample gradients from the forward of the innermost
+    module that holds it, run again per sample (``report()`` says which parameters took which way). A module
+    called several times in one forward sums its calls, like ``.grad``.
 
-    With ``norms_only=True`` nothing is stored in ``.grad_sample`` and backward leaves the
-    ``.grad`` of the supported parameters untouched (DP-SGD replaces it anyway): each layer
-    keeps only its per-sample squared norms, computed by a ghost norm wherever that costs
-    fewer operations (see
-    ``convgrad.per_sample_grad_norms``), plus the smaller of its
-    materialised per-sample gradients or its (input, grad_output) for clipping; then
-    ``clip_and_accumulate`` adds to ``.grad``. Double
-    backward (create_graph=True) through a supported module is refused.
+    The backward also adds to the ordinary ``.grad`` the sum of the per-sample gradients (divided by N for "mean")
+    instead of a separate batch-summed weight gradient: the layers run on detached weights.
+
+    With ``norms_only=True`` nothing is stored in ``.grad_sample`` and backward leaves the ``.grad`` of the
+    parameters untouched (DP-SGD replaces it anyway): each layer keeps only its per-sample squared norms, computed
+    by a ghost norm wherever that costs fewer operations (see ``convgrad.per_sample_grad_norms``), plus the smaller
+    of its materialised per-sample gradients or its (input, grad_output) for clipping; then ``clip_and_accumulate``
+    adds to ``.grad``. A parameter reached by several calls has their per-sample gradients summed before its norm.
+    Double backward (create_graph=True) through a captured layer is refused.
 
     Micro-batches: ``clip_and_accumulate`` adds the clipped sum to ``.grad`` as it was before the context's
     backward, so one context and one call per micro-batch accumulate a logical batch, as Opacus's virtual steps
@@ -74,6 +77,8 @@ class PerSampleGrads:
     backward through a forward that its first backward did not reach (the next micro-batch) is refused, since
     its samples would land on the rows of the first batch's; a second backward through a retained graph, the
     same samples again, adds to them, like ``.grad``. Call ``clear()`` to start another batch in the same context.
+    Results belong to the context: ``norms()`` of a context never entered, or one whose backward has not run, is
+    an error, never another context's batch.
 
     DistributedDataParallel: pass the DDP module itself, ``PerSampleGrads(ddp_model)``, and run the forward inside
     the context. The context runs it under ``ddp_model.no_sync()``, so that DDP never all-reduces an unclipped
@@ -82,16 +87,14 @@ class PerSampleGrads:
     ``Σ_n clip(g_n)`` over the global batch. Add the noise once (the same draw on every rank, from generators
     seeded alike) and divide by the global batch size, the sum of the ranks' batch sizes.
 
-    BatchNorm is accepted in eval mode (running statistics: each sample is normalised alone) and its affine
-    parameters get per-sample gradients. In training mode, or with ``track_running_stats=False``, it mixes the
-    samples of a batch, so no sample has a gradient of its own: a forward through it inside the context is
-    refused, whether or not its parameters are trainable. The mode is checked at every forward.
+    BatchNorm is accepted with its running statistics (eval mode: each sample is normalised alone) and its affine
+    parameters get per-sample gradients. With the batch's statistics (training mode, or
+    ``track_running_stats=False``) it mixes the samples of a batch, so no sample has a gradient of its own: a
+    forward through it inside the context is refused, whether or not its parameters are trainable.
 
     Args:
-        model: an ``nn.Module``, or a ``DistributedDataParallel`` wrapping one, whose modules with trainable
-            parameters are all supported: Conv1d/2d/3d, ConvTranspose1d/2d/3d (torch.nn or convgrad.nn; any
-            padding string, padding_mode, groups, dilation, output_size), Linear, GroupNorm, LayerNorm and
-            BatchNorm1d/2d/3d (eval mode). Inputs are batch-first, batch 0 included.
+        model: an ``nn.Module``, or a ``DistributedDataParallel`` wrapping one. Inputs are batch-first, batch 0
+            included.
         loss_reduction: ``"mean"`` (default, as PyTorch's losses and Opacus) or ``"sum"``, how the loss combines
             the samples' losses.
         norms_only: compute norms (and clipped sums) only (default False).
@@ -100,18 +103,18 @@ class PerSampleGrads:
         TypeError: model is not an nn.Module, norms_only not a bool; the model contains a DataParallel, an FSDP
             module or a DistributedDataParallel other than the model itself; the model is a DistributedDataParallel
             built with static_graph=True.
-        ValueError: an unknown loss_reduction; a module with trainable parameters and no rule (its name and
-            type are in the message), or a trainable parameter its rule does not know (spectral_norm's
-            weight_orig). At a forward inside the context: a BatchNorm that normalises with the
-            batch's statistics; the forward runs inside a DistributedDataParallel that synchronises gradients
-            (the model given was its inner module). During the backward: a gradient that reaches a parameter
-            from outside its module's forward (``F.conv2d(x, conv.weight)``, a weight penalty in the loss); a
-            module called on another number of samples than the first one (part of the batch); a backward of
-            another batch (see Micro-batches).
+        ValueError: an unknown loss_reduction. At a forward inside the context: a batch_norm with the batch's
+            statistics; an embedding with ``scale_grad_by_freq`` or ``sparse``; a module that must be rerun per
+            sample whose forward draws random numbers, returns something other than one tensor, or changes its
+            input in place; the forward is compiled by torch.compile; it runs inside a DistributedDataParallel
+            that synchronises gradients (the model given was its inner module). During the backward: a gradient
+            that reaches a parameter from outside the model's forward (a weight penalty in the loss); a layer
+            called on another number of samples than the first one (part of the batch, or the batch folded into
+            another dim); a backward of another batch (see Micro-batches).
 
-    Source: the docs' "Per-sample gradients and DP-SGD" guide;
-    Opacus's GradSampleModule (grad_sample's definition) and DistributedDPOptimizer
-    (clipping before the all-reduce); Abadi et al., "Deep learning with differential privacy" (2016) for clipping.
+    Source: the docs' "Per-sample gradients and DP-SGD" guide; Opacus's GradSampleModule (grad_sample's definition,
+    its functorch fallback) and DistributedDPOptimizer (clipping before the all-reduce); Abadi et al., "Deep
+    learning with differential privacy" (2016) for clipping.
 
     Examples:
         >>> import torch, convgrad as cg
@@ -127,6 +130,8 @@ class PerSampleGrads:
         >>> _ = psg.clip_and_accumulate(max_norm=1.0)  # .grad = (.grad before the backward) + Σ_n clipped
         >>> bool(model[2].weight.grad.norm() <= 5.0)
         True
+        >>> psg.report()["0.weight"]
+        'conv2d'
     """
 
     def __init__(self, model: nn.Module, loss_reduction: str = "mean", norms_only: bool = False) -> None:
@@ -139,195 +144,43 @@ class PerSampleGrads:
         distributed.refuse_wrappers(fn, model)
         self._ddp = distributed.as_ddp(model)
         self.model, self.loss_reduction, self.norms_only = model, loss_reduction, norms_only
-        self._names = {m: name or "(the model itself)" for name, m in model.named_modules()}
-        self._rules: dict[nn.Module, type[Layer]] = {}
-        self._trainable: dict[nn.Module, dict[str, nn.Parameter]] = {}
-        for module, name in self._names.items():
-            trainable = [k for k, p in module.named_parameters(recurse=False) if p.requires_grad]
-            if not trainable:
-                continue
-            rule = rule_for(module)
-            if rule is None:
-                raise ConvgradValueError(f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
-                                         f"{trainable} but no per-sample rule; supported: {_SUPPORTED}. Freeze it with "
-                                         f"requires_grad_(False) or replace it")
-            unknown = [k for k in trainable if k not in rule.PARAMS]
-            if unknown:
-                raise ConvgradValueError(
-                    f"{fn}: module {name!r} ({type(module).__name__}) has trainable parameters "
-                    f"{unknown} that its per-sample rule does not know (rule parameters: "
-                    f"{list(rule.PARAMS)}); a reparametrisation such as spectral_norm or weight_norm "
-                    f"computes the weight from them, which the rule cannot follow")
-            self._rules[module] = rule
-            self._trainable[module] = {k: p for k, p in module.named_parameters(recurse=False) if p.requires_grad}
-        self._mixing = [m for m in self._names if isinstance(m, SAMPLE_MIXING)]
-        self._check_tied(fn)
-        self._handles: list[Any] = []
-        self._swapped: set[nn.Module] = set()
-        self._records: dict[nn.Module, Record] = {}
-        self._before: dict[int, torch.Tensor | None] = {}  # id(param) -> .grad before this context's backward
+        self._session = Session(model, loss_reduction, norms_only, self._ddp)
         self._no_sync = contextlib.ExitStack()
-        self._guard = BatchGuard(self._names)
-        self._calls = 0  # forward calls of supported modules so far, numbering each call's Tap
-
-    def _check_tied(self, fn: str) -> None:
-        """norms_only keeps one squared norm per module, which cannot add up a parameter shared by two."""
-        owner: dict[int, nn.Module] = {}
-        for m, params in self._trainable.items():
-            for p in params.values():
-                other = owner.setdefault(id(p), m)
-                if other is not m and self.norms_only:
-                    raise ConvgradValueError(f"{fn}: modules {self._names[other]!r} and {self._names[m]!r} share a "
-                                             f"parameter; norms_only=True needs each parameter in one module (use "
-                                             f"norms_only=False)")
 
     # ---- context --------------------------------------------------------------------------------
     def __enter__(self) -> PerSampleGrads:
+        self._session.find_params()  # requires_grad may have changed since the context was built
         self.clear()
-        # the sample-mixing checks are registered first, so they run before any parameter is swapped
-        self._handles = [m.register_forward_pre_hook(self._check_mixing) for m in self._mixing]
-        self._handles += [h for m in self._rules for h in (m.register_forward_pre_hook(self._pre_hook),
-                                                              m.register_forward_hook(self._forward_hook,
-                                                                                      with_kwargs=True))]
-        # a gradient that reaches a Parameter through autograd did not come through its module's forward
-        self._handles += [p.register_hook(functools.partial(self._direct_use, p)) for p in self._params()
-                          if p.requires_grad]  # frozen since __init__: no gradient to watch
+        self._session.install()
         if self._ddp is not None:
             self._no_sync.enter_context(self._ddp.no_sync())
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        for m in list(self._swapped):  # a forward that raised between the two hooks
-            self._restore(m)
+        self._session.remove()
         self._no_sync.close()
 
     def clear(self) -> None:
         """Forget every per-sample result: ``.grad_sample = None`` and no norms (called on entering)."""
-        self._records, self._before = {}, {}
-        self._guard.clear()
-        for p in self._params():
+        self._session.forget()
+        for p in self._session.params.values():
             p.grad_sample = None  # type: ignore[attr-defined]
 
-    def _params(self) -> list[nn.Parameter]:
-        """Every trainable parameter of a supported module, once each (a tied parameter is in two modules)."""
-        return list({id(p): p for params in self._trainable.values() for p in params.values()}.values())
+    def report(self) -> dict[str, str]:
+        """How each parameter's per-sample gradients were computed in this context's last forward.
 
-    # ---- hooks ----------------------------------------------------------------------------------
-    def _check_mixing(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        why = mixes_samples(module) if torch.is_grad_enabled() else None
-        if why:
-            raise ConvgradValueError(f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) {why}")
-
-    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if torch.is_grad_enabled():
-            distributed.check_no_outer_sync()
-            for k, p in self._trainable[module].items():
-                module._parameters[k] = p.detach()  # type: ignore[assignment]
-            self._swapped.add(module)
-
-    def _restore(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        if module not in self._swapped:
-            return {}
-        self._swapped.discard(module)
-        module._parameters.update(self._trainable[module])
-        return self._trainable[module]
-
-    def _forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        params = self._restore(module)
-        if not params:
-            return None
-        x = args[0] if args else kwargs.get("input")  # module(input=x) passes it as a keyword
-        if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
-            raise ConvgradValueError(
-                f"PerSampleGrads: module {self._names[module]!r} ({type(module).__name__}) was called "
-                f"without a tensor input (args {len(args)}, keywords {sorted(kwargs)}) or returned "
-                f"{type(output).__name__}; its per-sample gradients need module(input) -> Tensor")
-        self._calls += 1
-        callback = functools.partial(self._backward, module, list(params), self._calls)
-        return Tap.apply(callback, x.detach(), output, *params.values())
-
-    def _direct_use(self, param: nn.Parameter, grad: torch.Tensor | None) -> None:
-        """Hook on every trainable parameter: inside its module's forward it is swapped for a detached alias and Tap
-        hands autograd no gradient for it, so any gradient autograd brings comes from a use outside that forward."""
-        if grad is None:
-            return
-        name = next(f"{'' if m is self.model else self._names[m] + '.'}{k}" for m, ps in self._trainable.items()
-                    for k, p in ps.items() if p is param)
-        raise ConvgradValueError(
-            f"PerSampleGrads: parameter {name!r} received a gradient from outside its module's forward "
-            f"(used directly, as in F.conv2d(x, conv.weight), or in a loss term such as a weight "
-            f"penalty); no per-sample gradient can include that use, so its norms and clipped sum would "
-            f"be wrong. Call the module itself, and apply weight decay through the optimizer")
-
-    def _remember_grads(self, params: list[nn.Parameter]) -> None:
-        """Keep .grad as it was before this context's backward, for clip_and_accumulate to add to."""
-        adds = not self.norms_only and self._ddp is None  # the backward then adds to .grad, possibly in place
-        for p in params:
-            if id(p) not in self._before:
-                self._before[id(p)] = None if p.grad is None else p.grad.clone() if adds else p.grad
-
-    def _backward(self, module: nn.Module, names: list[str], call: int, x: torch.Tensor,
-                  grad_output: torch.Tensor) -> list[torch.Tensor | None]:
-        """One layer's part of the backward (see ``Tap``), as ``methods.one_layer``: its scratch buffers go after."""
-        self._guard.check_call(module, call)
-        with one_layer():
-            return self._layer_backward(module, names, x, grad_output)
-
-    def _layer_backward(self, module: nn.Module, names: list[str], x: torch.Tensor,
-                        grad_output: torch.Tensor) -> list[torch.Tensor | None]:
-        self._remember_grads([self._trainable[module][k] for k in names])
-        scale = float(x.shape[0]) if self.loss_reduction == "mean" else 1.0
-        x = x if x.dtype == grad_output.dtype else x.to(grad_output.dtype)  # autocast: the input's own dtype
-        layer = self._rules[module](module, x, grad_output.detach(), scale)
-        self._guard.check_size(module, layer.x.shape[0])
-        if not self.norms_only:
-            grads = layer.grads()
-            for k, g in grads.items():
-                p = self._trainable[module][k]
-                p.grad_sample = g if getattr(p, "grad_sample", None) is None else p.grad_sample + g  # type: ignore
-            if self._ddp is None:  # under DDP this rank's sum alone would be a wrong .grad: clip_and_accumulate
-                sums = layer.summed({k: grads[k] for k in names if k in grads})  # {k: (*param.shape)}
-                for k, g in sums.items():  # added here as autograd would (autograd gets none, see _direct_use)
-                    p = self._trainable[module][k]
-                    g = g.to(p.dtype)
-                    p.grad = g if p.grad is None else p.grad.add_(g)
-            return [None] * len(names)
-        rec = self._records.setdefault(module, Record())
-        rec.calls += 1
-        if rec.calls > 1:  # a second call (or backward): norms do not add, gradients do
-            first = rec.grads if rec.grads is not None else rec.layer.grads()  # type: ignore[union-attr]
-            rec.grads = {k: first[k] + g for k, g in layer.grads().items()}
-            rec.layer, rec.sq = None, None
-        else:  # the layer's clipping plan: keep its per-sample gradients, or its state for one more pass
-            how, store = layer.clip_plan()
-            if store:
-                rec.grads = layer.grads()
-            else:
-                rec.sq = layer.ghost_sq_norms() if how == "ghost" else layer.materialised_sq_norms()
-                rec.layer = layer
-        return [None] * len(names)
+        Returns:
+            {parameter name: "conv2d", "linear", "conv2d through a transform (its weight computed from it)",
+            "rerun of module 'blocks.0' (Block) per sample (mul)", several joined by "; "}, for the parameters
+            that a captured forward reached.
+        """
+        s = self._session
+        return {s.param_names[pid]: "; ".join(sorted(how)) for pid, how in s.results.how.items()}
 
     # ---- results --------------------------------------------------------------------------------
-    def _per_sample(self) -> list[tuple[nn.Module, Grads | None, Layer | None, torch.Tensor | None]]:
-        """(module, gradients, layer, squared norm) for every module that received a gradient; a parameter shared
-        by two modules (its .grad_sample holds both) is listed under the first only."""
-        if not self.norms_only:
-            out, seen = [], set()
-            for m, params in self._trainable.items():
-                gs = {k: p.grad_sample for k, p in params.items()
-                      if getattr(p, "grad_sample", None) is not None and id(p) not in seen}
-                seen.update(id(params[k]) for k in gs)
-                if gs:
-                    out.append((m, gs, None, None))
-            return out
-        return [(m, r.grads, r.layer, r.sq) for m, r in self._records.items()]
-
     def norms(self) -> torch.Tensor:
-        """Per-sample L2 norms over the gradients of every supported parameter.
+        """Per-sample L2 norms over the gradients of every parameter this context's backward reached.
 
         Returns:
             ``(N,)``, the norm of each sample's whole gradient (every layer, weight and bias); under
@@ -335,16 +188,13 @@ class PerSampleGrads:
             squares accumulate in float32 (in float16 a norm of 360 would square to inf).
 
         Raises:
-            RuntimeError: no per-sample gradient was recorded (no backward ran inside the context).
+            RuntimeError: this context recorded no per-sample gradient (it was never entered, or no backward ran
+                inside it since it was entered or cleared).
         """
-        total = None
-        for _, grads, _, sq in self._per_sample():
-            if sq is None:
-                sq = sum(sq_norms(g) for g in grads.values())  # type: ignore[union-attr]
-            total = sq if total is None else total + sq
+        total = self._session.results.sq_norms()
         if total is None:
-            raise RuntimeError("PerSampleGrads.norms: no per-sample gradient was recorded; run the forward pass "
-                               "and loss.backward() inside the `with PerSampleGrads(model)` block")
+            raise RuntimeError("PerSampleGrads.norms: this context recorded no per-sample gradient; run the forward "
+                               "pass and loss.backward() inside its `with PerSampleGrads(model)` block")
         return total.clamp(min=0).sqrt()  # a ghost norm near 0 can round below it
 
     def clip_and_accumulate(self, max_norm: float) -> torch.Tensor:
@@ -375,16 +225,13 @@ class PerSampleGrads:
                 f"PerSampleGrads.clip_and_accumulate: max_norm={max_norm!r} must be a positive number")
         norms = self.norms()
         factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)  # (N,)
-        clipped: dict[int, torch.Tensor] = {}
-        for m, grads, layer, _ in self._per_sample():
-            summed = layer.clipped(factors) if grads is None else {  # type: ignore[union-attr]
-                k: torch.tensordot(factors.to(g.dtype), g, dims=1) for k, g in grads.items()}  # (*param.shape)
-            clipped.update({id(self._trainable[m][k]): g for k, g in summed.items()})
-        params = self._params()
+        clipped = self._session.results.clipped(factors)
+        params = list(self._session.params.values())
         sums = [clipped[id(p)] if id(p) in clipped else torch.zeros_like(p) for p in params]
         if self._ddp is not None:
             distributed.all_reduce_sum(sums, self._ddp.process_group)
         for p, g in zip(params, sums, strict=True):
-            before, g = self._before.get(id(p), p.grad), g.to(p.dtype)  # autocast: the parameter's dtype
+            before = self._session.results.before.get(id(p), p.grad)
+            g = g.to(p.dtype)  # autocast: the parameter's dtype
             p.grad = g if before is None else before + g
         return norms

@@ -1,22 +1,28 @@
-"""Per-layer rules of PerSampleGrads: one class per kind of module, registered on the module types.
+"""Per-sample rules of PerSampleGrads: one class per layer function, registered on the torch function it serves.
 
-Every rule has the same constructor, ``Rule(module, input, grad_output, scale)``, and the
-same methods (see ``Layer``); new modules need a new rule, not an ``isinstance`` chain.
-``scale`` is N for loss_reduction="mean" (each sample's own loss gradient) and 1 for "sum".
+A rule is built from one captured call (``convgrad.per_sample.capture``): the function's own arguments, the call's
+input x, its grad_output gy, and ``scale`` (N for loss_reduction="mean", each sample's own loss gradient; 1 for
+"sum"). It gives the per-sample gradients of the call's weight and bias *operands*; the capture pulls them back to
+the parameters the operands were computed from. Every rule has the same methods (``Layer``), so a new layer
+function is a new registered class, not an ``isinstance`` chain.
 
 Contractions per sample n (P: positions, the dims between batch and features):
-    conv       see convgrad.per_sample.methods (forward geometry, per group)
-    Linear     gw[n] [out, in] = gy[n]ᵀ [out, P] · x[n] [P, in];   gb[n] = Σ_P gy[n]
-    GroupNorm  gγ[n] [C] = Σ_space gy[n] ⊙ x̂[n];                   gβ[n] = Σ_space gy[n]
-    LayerNorm  gγ[n] [*D] = Σ_P gy[n] ⊙ x̂[n];                      gβ[n] = Σ_P gy[n]
-    BatchNorm  gγ[n] [C] = Σ_space gy[n] ⊙ x̂[n];                   gβ[n] = Σ_space gy[n]   (eval mode only:
-               x̂ = (x - running_mean) / sqrt(running_var + eps) treats each sample alone)
+    conv        see convgrad.per_sample.methods (forward geometry, per group)
+    linear      gw[n] [out, in] = gy[n]ᵀ [out, P] · x[n] [P, in];    gb[n] = Σ_P gy[n]
+    group_norm  gγ[n] [C] = Σ_space gy[n] ⊙ x̂[n];                    gβ[n] = Σ_space gy[n]
+    layer_norm  gγ[n] [*D] = Σ_P gy[n] ⊙ x̂[n];                       gβ[n] = Σ_P gy[n]
+    rms_norm    gγ[n] [*D] = Σ_P gy[n] ⊙ x̂[n]
+    batch_norm  gγ[n] [C] = Σ_space gy[n] ⊙ x̂[n];                    gβ[n] = Σ_space gy[n]   (running statistics
+                only: x̂ = (x - running_mean) / sqrt(running_var + eps) treats each sample alone)
+    embedding   gw[n] [V, D] = Σ_P onehot(idx[n, p]) ⊗ gy[n, p]
+                ghost: |gw[n]|² = Σ_{p,q} [idx_p = idx_q]·⟨gy_p, gy_q⟩ (P² terms)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +34,9 @@ from convgrad.per_sample.functional import per_sample_bias_grad
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad
 
-__all__ = ["RULES", "SAMPLE_MIXING", "ConvLayer", "Layer", "mixes_samples", "rule_for"]
+__all__ = ["FUNCTIONS", "ConvLayer", "Layer"]
 
 Grads = dict[str, torch.Tensor]
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 # Below this many positions per sample, a conv's summed weight gradient is one more weight-gradient call rather than
 # the sum of its N materialised per-sample gradients, whose read then costs more (batch 32, 2 threads, kept memory,
 # ms, sum(0) / one native call): 512 channels at 2x2 16.1 / 3.8, at 4x4 10.3 / 7.9; 256 at 8x8 2.8 / 7.8.
@@ -47,17 +51,40 @@ STORE_GROWTH = 2.0
 # memory risk, and the extra pass costs more than the weighted sum (the small CNN's 64->64 conv at 8x8, batch 32:
 # 4.5 MiB, 4.5x its state; ghost + pass 17.9 ms against 12.0 ms stored, in per_sample.py --models small_cnn).
 STORE_FLOOR_BYTES = 8 * 2**20
-SAMPLE_MIXING = (nn.modules.batchnorm._BatchNorm,)  # module types whose forward may mix the samples of a batch
+# Samples per chunk when a normalisation's x̂ is recomputed: gy ⊙ x̂ of a whole batch is two temporaries the size of
+# the input, 16 MiB at WRN-16-4's 64x32x32 GroupNorm (batch 32), live while the backward still holds that stage's
+# activations; in chunks of this many elements they stay under 2 x 1 MiB.
+NORM_CHUNK_ELEMENTS = 1 << 18
 
 
 class Layer:
-    """One call of a module, captured for its per-sample gradients."""
+    """One captured call of a layer function, for the per-sample gradients of its weight and bias operands.
+
+    Args:
+        x: the call's input, batch first ``(N, ...)``.
+        gy: its grad_output ``(N, ...)``.
+        scale: N for a mean loss, 1 for a sum.
+        shapes: {operand: shape} of the operands whose per-sample gradients are wanted ("weight", "bias").
+    """
 
     ghost_cheaper = False  # a ghost norm costs fewer MACs than materialising
-    PARAMS = ("weight", "bias")  # the parameter names the rule computes gradients for
+    INPUT: ClassVar[str] = "input"  # the argument that carries the samples
+    OPERANDS: ClassVar[tuple[str, ...]] = ("weight", "bias")  # the arguments a trainable parameter may reach
+    SIGNATURE: ClassVar[tuple[tuple[str, ...], tuple[Any, ...]]] = ((), ())  # torch's parameter names, defaults
 
-    def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
-        self.module, self.x, self.gy, self.scale = module, input, grad_output, scale
+    def __init__(self, x: torch.Tensor, gy: torch.Tensor, scale: float, shapes: dict[str, torch.Size]) -> None:
+        self.x, self.gy, self.scale, self.shapes = x, gy, scale, shapes
+
+    @classmethod
+    def from_call(cls, args: dict[str, Any], x: torch.Tensor, gy: torch.Tensor, scale: float,
+                  shapes: dict[str, torch.Size]) -> Layer:
+        """The rule of one call from its bound arguments (``SIGNATURE``); the base takes no hyperparameter."""
+        return cls(x, gy, scale, shapes)
+
+    @classmethod
+    def refusal(cls, args: dict[str, Any]) -> str | None:
+        """Why this call cannot have per-sample gradients (it mixes the samples, ...), or None."""
+        return None
 
     @property
     def state_elements(self) -> int:
@@ -68,19 +95,16 @@ class Layer:
     def may_store(self) -> bool:
         """Whether clipping may keep this layer's per-sample gradients instead of its state (``STORE_GROWTH``,
         ``STORE_FLOOR_BYTES``)."""
-        small = self.grad_elements * self.x.element_size() <= STORE_FLOOR_BYTES
+        small = self.grad_elements * self.gy.element_size() <= STORE_FLOOR_BYTES
         return small or self.grad_elements <= STORE_GROWTH * self.state_elements
 
     @property
     def grad_elements(self) -> int:
         """Elements of the materialised per-sample gradients."""
-        return self.x.shape[0] * sum(p.numel() for p in self.params().values())
-
-    def params(self) -> dict[str, nn.Parameter]:
-        return {k: p for k, p in self.module.named_parameters(recurse=False) if p.requires_grad}
+        return self.x.shape[0] * sum(math.prod(s) for s in self.shapes.values())
 
     def grads(self) -> Grads:
-        """Per-sample gradients {name: (N, *param.shape)}."""
+        """Per-sample gradients {operand: (N, *operand.shape)}."""
         raise NotImplementedError
 
     def ghost_sq_norms(self) -> torch.Tensor:
@@ -99,11 +123,11 @@ class Layer:
         return "materialise", self.may_store
 
     def clipped(self, factors: torch.Tensor) -> Grads:
-        """{name: Σ_n factors[n]·grad[n]}, with one ordinary (batch-summed) gradient call on a scaled grad_output."""
-        raise NotImplementedError
+        """{operand: Σ_n factors[n]·grad[n]}, by default from the materialised gradients."""
+        return {k: (g * factors.to(g.dtype).view(-1, *(1,) * (g.dim() - 1))).sum(0) for k, g in self.grads().items()}
 
     def summed(self, grads: Grads) -> Grads:
-        """{name: the gradient autograd would give} (the per-sample gradients summed, over ``scale``) from ``grads``."""
+        """{operand: the gradient autograd would give} (the per-sample gradients summed, over ``scale``)."""
         return {k: g.sum(0).div_(self.scale) for k, g in grads.items()}
 
     def _scaled_gy(self, factors: torch.Tensor) -> torch.Tensor:
@@ -111,42 +135,40 @@ class Layer:
         return self.gy * f.view(-1, *(1,) * (self.gy.dim() - 1))  # (N, ...)
 
 
-RULES: dict[type[nn.Module], type[Layer]] = {}
+# torch function -> its rule (conv is captured apart, through convgrad.reach's ConvCall)
+FUNCTIONS: dict[Callable[..., Any], type[Layer]] = {}
 
 
-def register(*types: type[nn.Module]) -> Callable[[type[Layer]], type[Layer]]:
+def register(*functions: Callable[..., Any]) -> Callable[[type[Layer]], type[Layer]]:
     def deco(cls: type[Layer]) -> type[Layer]:
-        RULES.update(dict.fromkeys(types, cls))
+        FUNCTIONS.update(dict.fromkeys(functions, cls))
         return cls
     return deco
 
 
-def rule_for(module: nn.Module) -> type[Layer] | None:
-    """The rule of the module's type: torch's own classes, convgrad.nn's subclasses, and subclasses that keep
-    the base forward. A subclass with its own forward is refused: its gradients may not follow the rule."""
-    for base in type(module).__mro__:
-        if base in RULES:
-            own = type(module).forward is base.forward or type(module).__module__.startswith("convgrad.")
-            return RULES[base] if own else None
-    return None
-
-
-def mixes_samples(module: nn.Module) -> str | None:
-    """Why the module's forward, as it is set now, mixes the samples of a batch (so that no sample has a gradient
-    of its own), or None. Checked at every forward: the mode can change after PerSampleGrads is built."""
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
-            module.training or module.running_mean is None or module.running_var is None):
-        mode = "training mode" if module.training else "track_running_stats=False"
-        return (f"normalises with the statistics of the batch ({mode}), which mixes the samples; call .eval() on "
-                f"it to use its running statistics, or replace it by GroupNorm")
-    return None
-
-
-@register(*_CONVS)
 class ConvLayer(Layer):
-    """Conv1d/2d/3d and ConvTranspose1d/2d/3d: any padding string or padding_mode, groups, dilation."""
+    """conv1d/2d/3d and conv_transpose1d/2d/3d: any padding, groups, dilation, output_padding.
 
-    def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
+    Args:
+        spec: the call's geometry (batched).
+        x, gy, scale: as ``Layer``; x the input as the convolution read it (already padded by a padding mode).
+        weight_shape: the weight operand's shape.
+        shapes: as ``Layer``.
+    """
+
+    def __init__(self, spec: ConvSpec, x: torch.Tensor, gy: torch.Tensor, scale: float,
+                 weight_shape: torch.Size, shapes: dict[str, torch.Size]) -> None:
+        super().__init__(x, gy, scale, shapes)
+        self.spec, self.weight_shape = spec, weight_shape
+        self.sides = (gy, x) if spec.transposed else (x, gy)
+        self.has_bias, self.has_weight = "bias" in shapes, "weight" in shapes
+        self._materialise: str | None = None  # set by clip_plan: the method its plan materialises with
+
+    @classmethod
+    def for_module(cls, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor,
+                   scale: float) -> ConvLayer:
+        """The rule of one call of a torch.nn conv module (Opacus's grad samplers): any padding string or
+        padding_mode, ``output_size=``, unbatched input."""
         m: nn.modules.conv._ConvNd = module  # type: ignore[assignment]
         nd = len(m.kernel_size)
         if input.dim() == nd + 1:  # unbatched: one sample, whose "mean" loss is its own (scale 1, not C_in)
@@ -163,12 +185,8 @@ class ConvLayer(Layer):
             if m.padding_mode != "zeros":  # torch pads the input with the mode, then convolves unpadded
                 input = pad(input, spec.padding, mode=m.padding_mode)  # (N, C_in, *(i+lo+hi))
                 spec = ConvSpec.from_shapes(input.shape, w, m.stride, 0, m.dilation, groups=m.groups, fn=fn)
-        super().__init__(m, input, grad_output, scale)
-        self.spec = spec
-        self.sides = (grad_output, input) if spec.transposed else (input, grad_output)
-        self.has_bias = m.bias is not None and m.bias.requires_grad
-        self.has_weight = m.weight.requires_grad
-        self._materialise: str | None = None  # set by clip_plan: the method its plan materialises with
+        shapes = {k: p.shape for k, p in m.named_parameters(recurse=False) if p.requires_grad}
+        return cls(spec, input, grad_output, scale, m.weight.shape, shapes)
 
     @property
     def ghost_cheaper(self) -> bool:  # type: ignore[override]
@@ -198,8 +216,8 @@ class ConvLayer(Layer):
         return out
 
     def param_sq_norms(self, ghost: bool | None = None) -> Grads:
-        """{name: (N,) squared norm of that parameter's per-sample gradient} (Opacus keeps one norm per parameter):
-        the weight's by the ghost norm (ghost=True), chunk by chunk from materialised gradients (False), or by
+        """{operand: (N,) squared norm of its per-sample gradient} (Opacus keeps one norm per parameter): the
+        weight's by the ghost norm (ghost=True), chunk by chunk from materialised gradients (False), or by
         whichever ``ghost_cheaper`` picks (None, the default)."""
         out = {}
         if self.has_weight:
@@ -224,6 +242,7 @@ class ConvLayer(Layer):
         return self._sq(ghost=False)
 
     def clipped(self, factors: torch.Tensor) -> Grads:
+        """With one ordinary (batch-summed) weight-gradient call on the per-sample-scaled grad_output."""
         gy = self._scaled_gy(factors)  # (N, C_out, *out)
         out = {"bias": conv_bias_grad(gy)} if self.has_bias else {}
         if self.has_weight:
@@ -239,28 +258,29 @@ class ConvLayer(Layer):
         return {**rest, "weight": self._weight_grad(self.gy)}
 
     def _weight_grad(self, gy: torch.Tensor) -> torch.Tensor:
-        s, w = self.spec, self.module.weight.shape
+        s, w = self.spec, self.weight_shape
         if s.transposed:
             return conv_transpose_weight_grad(self.x, w, gy, s.stride, s.padding, s.output_padding, s.groups,
                                               s.dilation)
         return conv_weight_grad(self.x, w, gy, s.stride, s.padding, s.dilation, s.groups)
 
 
-@register(nn.Linear)
+@register(F.linear)
 class LinearLayer(Layer):
-    """nn.Linear on (N, *, in): the dims between batch and features are positions P."""
+    """linear on (N, *, in): the dims between batch and features are positions P."""
 
-    def __init__(self, module: nn.Module, input: torch.Tensor, grad_output: torch.Tensor, scale: float) -> None:
-        if input.dim() == 1:  # unbatched: one sample, whose "mean" loss is its own (scale 1, not in_features)
-            input, grad_output, scale = input.unsqueeze(0), grad_output.unsqueeze(0), 1.0  # (1, in), (1, out)
-        super().__init__(module, input, grad_output, scale)
-        n, d_in, d_out = input.shape[0], input.shape[-1], grad_output.shape[-1]
-        p = math.prod(input.shape[1:-1])  # not -1 in the reshapes: batch 0 leaves it undetermined
-        self.x3 = input.reshape(n, p, d_in)  # (N, P, in)
-        self.gy3 = grad_output.reshape(n, p, d_out)  # (N, P, out)
+    SIGNATURE = (("input", "weight", "bias"), (None,))
+
+    def __init__(self, x: torch.Tensor, gy: torch.Tensor, scale: float, shapes: dict[str, torch.Size]) -> None:
+        if x.dim() == 1:  # unbatched: one sample, whose "mean" loss is its own (scale 1, not in_features)
+            x, gy, scale = x.unsqueeze(0), gy.unsqueeze(0), 1.0  # (1, in), (1, out)
+        super().__init__(x, gy, scale, shapes)
+        n, d_in, d_out = x.shape[0], x.shape[-1], gy.shape[-1]
+        p = math.prod(x.shape[1:-1])  # not -1 in the reshapes: batch 0 leaves it undetermined
+        self.x3 = x.reshape(n, p, d_in)  # (N, P, in)
+        self.gy3 = gy.reshape(n, p, d_out)  # (N, P, out)
         self.ghost_cheaper = p * (d_in + d_out) < d_in * d_out
-        self.has_bias = module.bias is not None and module.bias.requires_grad
-        self.has_weight = module.weight.requires_grad
+        self.has_bias, self.has_weight = "bias" in shapes, "weight" in shapes
 
     def grads(self) -> Grads:
         out = {"bias": self.gy3.sum(1) * self.scale} if self.has_bias else {}  # (N, out)
@@ -287,70 +307,152 @@ class LinearLayer(Layer):
         return out
 
 
-# Samples per chunk when a normalisation's x̂ is recomputed: gy ⊙ x̂ of a whole batch is two temporaries the size of
-# the input, 16 MiB at WRN-16-4's 64x32x32 GroupNorm (batch 32), live while the backward still holds that stage's
-# activations; in chunks of this many elements they stay under 2 x 1 MiB.
-NORM_CHUNK_ELEMENTS = 1 << 18
-
-
 class _NormLayer(Layer):
     """Affine parameters of a normalisation over each sample alone: x̂ is recomputed from the input, a chunk of
-    samples at a time (``NORM_CHUNK_ELEMENTS``)."""
+    samples at a time (``NORM_CHUNK_ELEMENTS``). ``hyper`` holds the function's own arguments."""
+
+    def __init__(self, x: torch.Tensor, gy: torch.Tensor, scale: float, shapes: dict[str, torch.Size],
+                 hyper: dict[str, Any]) -> None:
+        super().__init__(x, gy, scale, shapes)
+        self.hyper = hyper
+
+    @classmethod
+    def from_call(cls, args: dict[str, Any], x: torch.Tensor, gy: torch.Tensor, scale: float,
+                  shapes: dict[str, torch.Size]) -> Layer:
+        hyper = {k: v for k, v in args.items() if k not in (cls.INPUT, *cls.OPERANDS)}
+        return cls(x, gy, scale, shapes, hyper)
 
     def _normalised(self, x: torch.Tensor) -> torch.Tensor:
         """x̂ of x, some of the samples of ``self.x``."""
         raise NotImplementedError
 
     def _sum_dims(self) -> list[int]:
-        raise NotImplementedError
+        """The dims of x the parameters do not cover (summed over): channels at dim 1, the rest."""
+        return list(range(2, self.x.dim()))
 
     def grads(self) -> Grads:
-        m, dims = self.module, self._sum_dims()
+        dims = self._sum_dims()
 
         def total(t: torch.Tensor) -> torch.Tensor:  # an empty dim list would make sum() reduce everything
             return (t.sum(dims) if dims else t) * self.scale  # (N, *param.shape)
 
         out = {}
-        if m.weight is not None and m.weight.requires_grad:
+        if "weight" in self.shapes:
             n = self.x.shape[0]
             parts = methods.sample_chunks(n, self.x[:1].numel(), NORM_CHUNK_ELEMENTS) if n else [slice(0, 0)]
             out["weight"] = torch.cat([total(self.gy[c] * self._normalised(self.x[c])) for c in parts])
-        if m.bias is not None and m.bias.requires_grad:
+        if "bias" in self.shapes:
             out["bias"] = total(self.gy)
         return out
 
-    def clipped(self, factors: torch.Tensor) -> Grads:
-        return {k: (g * factors.to(g.dtype).view(-1, *(1,) * (g.dim() - 1))).sum(0) for k, g in self.grads().items()}
 
-
-@register(nn.GroupNorm)
+@register(F.group_norm)
 class GroupNormLayer(_NormLayer):
+    SIGNATURE = (("input", "num_groups", "weight", "bias", "eps"), (None, None, 1e-5))
+
     def _normalised(self, x: torch.Tensor) -> torch.Tensor:
-        m: nn.GroupNorm = self.module  # type: ignore[assignment]
-        return F.group_norm(x, m.num_groups, None, None, m.eps)  # (n, C, *spatial)
-
-    def _sum_dims(self) -> list[int]:
-        return list(range(2, self.x.dim()))
+        return F.group_norm(x, self.hyper["num_groups"], None, None, self.hyper["eps"])  # (n, C, *spatial)
 
 
-@register(nn.LayerNorm)
+@register(F.layer_norm)
 class LayerNormLayer(_NormLayer):
+    SIGNATURE = (("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
+
     def _normalised(self, x: torch.Tensor) -> torch.Tensor:
-        m: nn.LayerNorm = self.module  # type: ignore[assignment]
-        return F.layer_norm(x, m.normalized_shape, None, None, m.eps)  # (n, *, *D)
+        return F.layer_norm(x, self.hyper["normalized_shape"], None, None, self.hyper["eps"])  # (n, *, *D)
 
-    def _sum_dims(self) -> list[int]:
-        return list(range(1, self.x.dim() - len(self.module.normalized_shape)))
+    def _sum_dims(self) -> list[int]:  # the normalised trailing dims are the parameters'
+        shape = self.hyper["normalized_shape"]
+        return list(range(1, self.x.dim() - (1 if isinstance(shape, int) else len(shape))))
 
 
-@register(*_BATCH_NORMS)
+@register(F.rms_norm)
+class RmsNormLayer(_NormLayer):
+    OPERANDS = ("weight",)
+    SIGNATURE = (("input", "normalized_shape", "weight", "eps"), (None, None))
+
+    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.hyper["normalized_shape"], None, self.hyper["eps"])  # (n, *, *D)
+
+    def _sum_dims(self) -> list[int]:  # the normalised trailing dims are the parameters'
+        shape = self.hyper["normalized_shape"]
+        return list(range(1, self.x.dim() - (1 if isinstance(shape, int) else len(shape))))
+
+
+@register(F.batch_norm)
 class BatchNormLayer(_NormLayer):
-    """BatchNorm with frozen running statistics (eval mode; PerSampleGrads refuses it in training mode at the
-    forward): an affine map per channel, with no sample depending on another."""
+    """batch_norm with its running statistics (eval mode): an affine map per channel, no sample depending on
+    another. In training mode (or without running statistics) it normalises with the batch's own statistics,
+    which mixes the samples: refused."""
+
+    SIGNATURE = (("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+                 (None, None, False, 0.1, 1e-5))
+
+    @classmethod
+    def refusal(cls, args: dict[str, Any]) -> str | None:
+        if args["training"] or args["running_mean"] is None or args["running_var"] is None:
+            mode = ("no running statistics: track_running_stats=False" if args["running_mean"] is None
+                    else "training mode")
+            return (f"normalises with the statistics of the batch ({mode}), which mixes the samples; call .eval() "
+                    f"on the BatchNorm to use its running statistics, or replace it by GroupNorm")
+        return None
 
     def _normalised(self, x: torch.Tensor) -> torch.Tensor:
-        m: nn.modules.batchnorm._BatchNorm = self.module  # type: ignore[assignment]
-        return F.batch_norm(x, m.running_mean, m.running_var, None, None, False, 0.0, m.eps)  # (n, C, *)
+        h = self.hyper
+        return F.batch_norm(x, h["running_mean"], h["running_var"], None, None, False, 0.0, h["eps"])  # (n, C, *)
 
-    def _sum_dims(self) -> list[int]:
-        return list(range(2, self.x.dim()))
+
+@register(F.embedding)
+class EmbeddingLayer(Layer):
+    """embedding: the input holds indices (N, *P); the weight (V, D) gets one row of gy per index, per sample;
+    ``padding_idx``'s row none, as torch's backward."""
+
+    OPERANDS = ("weight",)
+    SIGNATURE = (("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse"),
+                 (None, None, 2.0, False, False))
+
+    def __init__(self, x: torch.Tensor, gy: torch.Tensor, scale: float, shapes: dict[str, torch.Size],
+                 padding_idx: int | None) -> None:
+        super().__init__(x, gy, scale, shapes)
+        n = x.shape[0]
+        self.idx = x.reshape(n, math.prod(x.shape[1:]))  # (N, P): batch 0 leaves -1 undetermined
+        d = gy.shape[-1]
+        gy2 = gy.reshape(n, self.idx.shape[1], d)  # (N, P, D)
+        if padding_idx is not None:
+            gy2 = gy2.masked_fill((self.idx == padding_idx % shapes["weight"][0]).unsqueeze(-1), 0)
+        self.gy3 = gy2
+        self.vocab = shapes["weight"][0]
+        p = self.idx.shape[1]
+        self.ghost_cheaper = p * p * (d + 1) < self.vocab * d
+
+    @classmethod
+    def from_call(cls, args: dict[str, Any], x: torch.Tensor, gy: torch.Tensor, scale: float,
+                  shapes: dict[str, torch.Size]) -> Layer:
+        return cls(x, gy, scale, shapes, args["padding_idx"])
+
+    @classmethod
+    def refusal(cls, args: dict[str, Any]) -> str | None:
+        if args["scale_grad_by_freq"]:
+            return "scales each gradient by its index's frequency in the whole batch (scale_grad_by_freq=True)"
+        if args["sparse"]:
+            return "asks for a sparse gradient (sparse=True); per-sample gradients are dense"
+        return None
+
+    def _scatter(self, gy3: torch.Tensor) -> torch.Tensor:
+        n, p, d = gy3.shape
+        rows = (self.idx + torch.arange(n, device=self.idx.device).unsqueeze(1) * self.vocab).reshape(-1)  # (N·P,)
+        out = gy3.new_zeros(n * self.vocab, d)  # (N·V, D)
+        return out.index_add_(0, rows, gy3.reshape(n * p, d)).view(n, self.vocab, d)  # (N, V, D)
+
+    def grads(self) -> Grads:
+        return {"weight": self._scatter(self.gy3) * self.scale}
+
+    def ghost_sq_norms(self) -> torch.Tensor:
+        acc = methods.norm_dtype(self.gy3.dtype)
+        g = self.gy3.to(acc)  # (N, P, D)
+        same = (self.idx.unsqueeze(2) == self.idx.unsqueeze(1)).to(acc)  # (N, P, P)
+        return torch.linalg.vecdot(same.flatten(1), (g @ g.transpose(1, 2)).flatten(1)) * self.scale**2
+
+    def clipped(self, factors: torch.Tensor) -> Grads:
+        f = (factors * self.scale).to(self.gy3.dtype)  # as _scaled_gy, on the masked (N, P, D) rows
+        return {"weight": self._scatter(self.gy3 * f.view(-1, 1, 1)).sum(0)}

@@ -223,7 +223,8 @@ def chosen(spec: ConvSpec, purpose: str, like: torch.Tensor, store: bool = False
 
 def _tune(spec: ConvSpec, x: torch.Tensor, y: torch.Tensor, purpose: str, store: bool) -> Choice:
     est = estimates(spec, purpose, store)
-    reference = min(est, key=lambda n: (est[n], n != _fixed(spec, purpose, store)))
+    # the reference is one of the options raced: "unfold" is none where "unfold+store" takes its place (issue 38, F3)
+    reference = min(raced(spec, purpose, store), key=lambda n: (est[n], n != _fixed(spec, purpose, store)))
     # without storing, every "clip" option ends with the Book-Keeping pass: a cost they all share cannot rank them,
     # so the cost model prunes on the rest, the norms' (ghost on ResNet-18's 4x4 and 8x8 stride-2 layers: 1/11-1/28
     # of unfold's multiply-adds, measured 5-75x faster)

@@ -11,10 +11,9 @@ Results are written in the data's memory format (channels last stays channels la
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -137,6 +136,12 @@ class DepthwiseTaps:
     rows: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]  # (tap index, per dim (first, stop, data_first))
     size: Shape  # the spatial size of y
     shape: Shape
+    # computed once with the plan, not a cached_property: torch.compile cannot enter its lock
+    _indices: list[tuple[int, tuple[slice, ...] | None, tuple[slice, ...] | None]] = field(
+        init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_indices", self._index_rows())
 
     def __call__(self, data: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
         c, nd = kernel.shape[0], len(self.counts)
@@ -153,8 +158,7 @@ class DepthwiseTaps:
                 add_product_(out if rows is None else out[rows], part, scales[tap], fused)
         return out
 
-    @functools.cached_property
-    def _indices(self) -> list[tuple[int, tuple[slice, ...] | None, tuple[slice, ...] | None]]:
+    def _index_rows(self) -> list[tuple[int, tuple[slice, ...] | None, tuple[slice, ...] | None]]:
         """Per tap, a tap that fills every row first: (tap, rows of the result, rows of y), None where all rows.
 
         Indexing with whole-dim slices only would return an alias, which the legacy vmap of is_grads_batched

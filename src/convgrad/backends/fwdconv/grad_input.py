@@ -150,7 +150,7 @@ def _phase_conv(taps: list[PhaseTaps], groups: int, rows: Shape, y_size: Shape,
     if all(t.count == 1 for t in taps):  # one tap: a (grouped) matmul after shifting y
         return MatMul(groups, True, rows), pads, (0,) * nd
     split = pad_split(pads)  # the conv pads symmetrically; its surplus rows are skipped
-    if depthwise and math.prod(t.count for t in taps) <= TAPS_MAX_PHASE_TAPS:
+    if depthwise and math.prod([t.count for t in taps]) <= TAPS_MAX_PHASE_TAPS:
         return _depthwise_taps(taps, rows, y_size, split.crops, split.offset), split.crops, (0,) * nd
     conv = Conv((1,) * nd, split.grow, tuple(t.dilation for t in taps), groups, (*rows[:2], *split.conv_rows(rows[2:])))
     return conv, split.crops, split.start

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from convgrad.cli import console as cli_console
-from convgrad.cli import demo_extras_missing
+from convgrad.cli import demo_extras_missing, parse_shape
 from convgrad.errors import ConvgradValueError
 
 __all__ = ["add_arguments", "default_backends", "keep_malloc", "run"]
@@ -52,6 +52,8 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options (all have defaults)."""
+    from convgrad.cli.bench.model import OPTIMIZERS
+
     parser.add_argument("--suite", default="default",
                         help="suite of layers: default, slow (layers users report slow), all (both), "
                              "large (large kernels, where the fft backend pays: times fwdconv, fft and auto by "
@@ -70,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtypes; float64 runs the suite's float64 subset unless --layers is given "
                              "(default: float32)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+    parser.add_argument("--out", type=Path, default=None,
                         help="folder for results.json, results.md and the PNGs, written after every layer "
                              "(default: ./bench-results)")
     parser.add_argument("--repeats", type=int, default=None,
@@ -78,16 +80,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{QUICK['repeats']} with --quick)")
     parser.add_argument("--min-time", type=float, default=None,
                         help=f"seconds per sample (default: {DEFAULTS['min_time']:g}; {QUICK['min_time']:g} with "
-                             "--quick)")
+                             "--quick); with --model, see --steps")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when present)")
     parser.add_argument("--channels-last", action="store_true", help="input and grad_output in channels_last")
     parser.add_argument("--malloc", choices=["keep", "system"], default="keep",
                         help="keep: glibc keeps freed memory (no page faults per call); system: as is (default: keep)")
     parser.add_argument("--quiet", action="store_true", help="no estimate, no progress and no tables")
+    model = parser.add_argument_group(
+        "your own model", "time its training step (forward, a loss, backward) plain against convgrad.patch, and say "
+                          "what auto chose for each conv call; --dtype, --threads, --device, --min-time, --quick and "
+                          "--malloc apply too")
+    model.add_argument("--model", metavar="MODULE:FACTORY",
+                       help="FACTORY() builds the model; MODULE is a module name (the current directory is searched) "
+                            "or a path/to/file.py")
+    model.add_argument("--input-shape", type=parse_shape, metavar="N,C,...", help="its input's size")
+    model.add_argument("--backend", default=None, metavar="NAME", help="the backend given to patch (default: auto)")
+    model.add_argument("--steps", type=int, default=None,
+                       help=f"timed steps of each model at least, one of each per round (default: {MODEL['steps']}; "
+                            f"{MODEL_QUICK['steps']} with --quick); with --min-time S, until each has S s of steps "
+                            f"(default: {MODEL['min_time']:g}; {MODEL_QUICK['min_time']:g} with --quick)")
+    model.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                       help="an optimizer step at the end of each training step (default: none)")
+    model.add_argument("--json", action="store_true", help="print every figure as JSON instead of the tables")
 
 
 DEFAULTS = {"repeats": 7, "min_time": 0.05}
 QUICK = {"repeats": 3, "min_time": 0.02}
+MODEL = {"steps": 10, "min_time": 2.0, "warmup": 10}  # --model's
+MODEL_QUICK = {"steps": 3, "min_time": 0.0, "warmup": 2}
+SUITE_ONLY = {"suite": "default", "list": False, "layers": None, "backends": None, "repeats": None, "out": None,
+              "channels_last": False}
+MODEL_ONLY = {"input_shape": None, "backend": None, "steps": None, "optimizer": None, "json": False}
 
 
 def default_backends(suite: str | None = None) -> list[str]:
@@ -152,14 +175,10 @@ def keep_malloc() -> str:
 
 
 def _meta(args: argparse.Namespace, device: Any, backends: list[str]) -> dict[str, Any]:
-    import torch
+    from convgrad.backends.auto import get_mode
+    from convgrad.cli.bench.timing import machine
 
-    from convgrad.backends.auto import device_name, get_mode
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    meta = {"suite": args.suite, "device": str(device), "device_model": device_name(device),
-            "cpu_model": device_name(torch.device("cpu")), "cores": cores, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "backends": " ".join(backends), "repeats": args.repeats,
+    meta = {"suite": args.suite, **machine(device), "backends": " ".join(backends), "repeats": args.repeats,
             "memory_format": "channels_last" if args.channels_last else "contiguous", "auto_mode": get_mode(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "convgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
@@ -170,7 +189,12 @@ def _meta(args: argparse.Namespace, device: Any, backends: list[str]) -> dict[st
 
 def run(args: argparse.Namespace) -> int:
     """Say what the run will time and about how long it takes, time it layer by layer (a progress bar on a terminal,
-    a line per layer otherwise), write the reports after every layer, print the tables; 0 on success."""
+    a line per layer otherwise), write the reports after every layer, print the tables; 0 on success. With --model,
+    time that model's training step instead (``_run_model``)."""
+    _refuse_mixed(args)
+    if args.model is not None:
+        return _run_model(args)
+    args.out = args.out or Path("bench-results")
     if demo_extras_missing("bench", "rich.progress"):
         return 2
     import torch
@@ -216,6 +240,55 @@ def run(args: argparse.Namespace) -> int:
     pngs = [str(args.out / f"{name}_{dtype}.png") for dtype in dict.fromkeys(r.dtype for r in results)
             for name in ("speedups", "forward")]
     console.print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}, {', '.join(pngs)}", soft_wrap=True)
+    return 0
+
+
+def _refuse_mixed(args: argparse.Namespace) -> None:
+    """An option of the suites given with --model, or one of --model's without it."""
+    options, other = (SUITE_ONLY, "the suites") if args.model is not None else (MODEL_ONLY, "--model")
+    for name, default in options.items():
+        if getattr(args, name) != default:
+            flag = "--" + name.replace("_", "-")
+            raise ConvgradValueError(f"convgrad bench: {flag} applies to {other}, not to "
+                                     f"{'--model' if args.model is not None else 'the suites'}")
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    """`convgrad bench --model`: time the model's training step plain against patched, print the report (or JSON)."""
+    import torch
+
+    from convgrad.cli.bench.model import bench_model
+    from convgrad.cli.bench.model_print import show
+
+    if args.input_shape is None:
+        raise ConvgradValueError("convgrad bench: --model needs --input-shape, e.g. --input-shape 8,3,224,224")
+    if len(args.dtype) != 1:
+        raise ConvgradValueError(f"convgrad bench: --model times one --dtype, not {' '.join(args.dtype)}")
+    if args.threads is not None and args.threads < 1:
+        raise ConvgradValueError(f"convgrad bench: --threads={args.threads} must be at least 1")
+    defaults = MODEL_QUICK if args.quick else MODEL
+    device = _device(args.device)
+    if args.malloc == "keep":
+        keep_malloc()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"convgrad bench --model: {line}", file=sys.stderr, flush=True)
+
+    result = bench_model(args.model, args.input_shape, args.backend or "auto", args.dtype[0], device,
+                         int(defaults["steps"]) if args.steps is None else args.steps,
+                         defaults["min_time"] if args.min_time is None else args.min_time, int(defaults["warmup"]),
+                         args.optimizer or "none", progress)
+    result.settings |= {"command": "convgrad " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if args.json:
+        print(result.to_json())
+    elif not args.quiet and not demo_extras_missing("bench", "rich.table"):
+        # a file or a pipe: whole rows, as wide as the tables need up to 240 columns, as `convgrad check` prints them
+        wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+        show(cli_console(width=240) if wide else cli_console(), result)
     return 0
 
 

@@ -32,6 +32,7 @@ what ``benchmarks/first_step.py`` reports.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ from convgrad.backends import auto, get_backend, native
 from convgrad.cli.bench.layers import Layer
 from convgrad.tensor_ops import CHANNELS_LAST
 
-__all__ = ["FORWARD", "MATMUL", "TASKS", "LayerTiming", "Sample", "serves", "time_layer"]
+__all__ = ["FORWARD", "MATMUL", "TASKS", "LayerTiming", "Sample", "clock", "iqr", "machine", "serves", "time_layer"]
 
 TASKS = ("grad_input", "grad_weight", "both")
 FORWARD = ("forward", "")  # the key of native's forward convolution among the timed calls
@@ -64,10 +65,10 @@ class Sample:
     @property
     def iqr(self) -> float:
         """Interquartile range (0 with fewer than 2 samples)."""
-        return _iqr(self.seconds)
+        return iqr(self.seconds)
 
 
-def _iqr(values: list[float]) -> float:
+def iqr(values: list[float]) -> float:
     """Interquartile range (0 with fewer than 2 values)."""
     if len(values) < 2:
         return 0.0
@@ -111,7 +112,7 @@ class LayerTiming:
 
     def speedup_iqr(self, backend: str, task: str, reference: str = "native") -> float:
         """The interquartile range of the per-round speed-ups that ``speedup`` takes the median of."""
-        return _iqr(self._speedups(backend, task, reference))
+        return iqr(self._speedups(backend, task, reference))
 
     def in_forwards(self, backend: str, task: str = "both") -> float:
         """Time as a multiple of native's forward (2 for both gradients at the forward's efficiency): the median over
@@ -120,7 +121,7 @@ class LayerTiming:
 
     def in_forwards_iqr(self, backend: str, task: str = "both") -> float:
         """The interquartile range of the per-round multiples that ``in_forwards`` takes the median of."""
-        return _iqr(self._over_forward(backend, task))
+        return iqr(self._over_forward(backend, task))
 
     def _speedups(self, backend: str, task: str, reference: str) -> list[float]:
         ours, ref = self.samples[(backend, task)].seconds, self.samples[(reference, task)].seconds
@@ -172,26 +173,35 @@ def serves(layer: Layer, dtype: str, backend: str, device: torch.device, channel
     return bool(get_backend(backend, "convgrad bench").can_serve(spec, like))
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
+def machine(device: torch.device) -> dict[str, Any]:
+    """What a timing depends on: the device and its model, the CPU model, the cores this process may use, torch's
+    intra-op threads and torch's version (recorded with every result, printed before the tables)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"device": str(device), "device_model": auto.device_name(device),
+            "cpu_model": auto.device_name(torch.device("cpu")), "cores": cores, "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def clock(device: torch.device) -> Callable[[], float]:
     """A wall clock that first waits for the device's queued work (CUDA runs asynchronously)."""
     if device.type != "cuda":
         return time.perf_counter
 
-    def clock() -> float:
+    def synced() -> float:
         torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    return clock
+    return synced
 
 
-def _sample(fn: Callable[[], Any], number: int, clock: Callable[[], float]) -> float:
+def _sample(fn: Callable[[], Any], number: int, timer: Callable[[], float]) -> float:
     """Seconds per call over ``number`` calls; one untimed call first when there are several (caches, allocator)."""
     if number > 1:
         fn()
-    start = clock()
+    start = timer()
     for _ in range(number):
         fn()
-    return max(clock() - start, 1e-9) / number
+    return max(timer() - start, 1e-9) / number
 
 
 def _number(seconds: float, min_time: float) -> int:
@@ -248,7 +258,7 @@ def time_layer(layer: Layer, dtype: str, backends: list[str], device: torch.devi
 
 def _rounds(layer: Layer, dtype: str, backends: list[str], device: torch.device, repeats: int, min_time: float,
             channels_last: bool, tasks: Sequence[str], started: float) -> Iterator[LayerTiming]:
-    torch_dtype, clock = getattr(torch, dtype), _clock(device)
+    torch_dtype, timer = getattr(torch, dtype), clock(device)
     t = _tensors(layer, torch_dtype, device, channels_last)
     names = ["native", *(b for b in backends if b != "native")]
     with torch.no_grad():
@@ -267,12 +277,12 @@ def _rounds(layer: Layer, dtype: str, backends: list[str], device: torch.device,
                 fns["auto", task]()
             _settle_auto(t, fns, tasks, result)
             result.tune_seconds = time.perf_counter() - tuning
-        numbers = {key: _number(_sample(fn, 1, clock), min_time) for key, fn in fns.items()}
+        numbers = {key: _number(_sample(fn, 1, timer), min_time) for key, fn in fns.items()}
         result.first_seconds = result.seconds = time.perf_counter() - started
         changes = auto.changes()
         r = redone = 0
         while r < repeats:
-            timed = {key: _sample(fns[key], numbers[key], clock) for key in _round_order(names, r, tasks)}
+            timed = {key: _sample(fns[key], numbers[key], timer) for key in _round_order(names, r, tasks)}
             if "auto" in names and auto.changes() != changes and redone < repeats:
                 _settle_auto(t, fns, tasks, result)  # a choice was tuned again inside the round: time it again
                 changes, redone = auto.changes(), redone + 1

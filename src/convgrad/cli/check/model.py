@@ -26,7 +26,8 @@ from convgrad.cli.check.judge import Result, check_gradients
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
 from convgrad.spec import ConvSpec
 
-__all__ = ["LayerCheck", "check_model", "example_model", "load_factory"]
+__all__ = ["LayerCheck", "build_model", "check_model", "example_model", "load_factory", "model_fails",
+           "output_tensors"]
 
 
 @dataclass(frozen=True)
@@ -55,29 +56,30 @@ def _on_path(folder: str) -> Iterator[None]:
             sys.path.remove(folder)
 
 
-def _import(target: str, where: str) -> Any:
+def _import(target: str, where: str, command: str) -> Any:
     is_file = where.endswith(".py") or "/" in where or os.sep in where
     if not is_file:
         return importlib.import_module(where)
     path = Path(where)
     if not path.is_file():
-        raise ConvgradValueError(f"check: --model={target!r}: there is no file {where!r}")
+        raise ConvgradValueError(f"{command}: --model={target!r}: there is no file {where!r}")
     name = f"_convgrad_model_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ConvgradValueError(f"check: --model={target!r}: {where!r} is not a Python file")
+        raise ConvgradValueError(f"{command}: --model={target!r}: {where!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def load_factory(target: str) -> Callable[[], Any]:
+def load_factory(target: str, command: str = "check") -> Callable[[], Any]:
     """``"module:factory"`` or ``"path/to/file.py:factory"`` -> the factory, imported with the cwd on sys.path.
 
     Args:
         target: a module importable from the current directory or sys.path, or a file, then ``:`` and the name of
             a callable that takes no arguments.
+        command: the command whose ``--model`` it is, for the messages (default "check").
 
     Returns:
         The callable; calling it runs the user's code with the file's folder (or the cwd) on sys.path.
@@ -91,25 +93,26 @@ def load_factory(target: str) -> Callable[[], Any]:
     """
     where, sep, attr = target.rpartition(":")
     if not sep or not where or not attr.isidentifier():
-        raise ConvgradValueError(f"check: --model={target!r} must be module:factory or path/to/file.py:factory")
+        raise ConvgradValueError(f"{command}: --model={target!r} must be module:factory or path/to/file.py:factory")
     folder = str(Path(where).resolve().parent) if where.endswith(".py") else os.getcwd()
     try:
         with _on_path(folder):
-            module = _import(target, where)
+            module = _import(target, where, command)
     except ValueError:
         raise
     except Exception as err:  # the user's code: any failure to import it is theirs to fix
-        raise ConvgradValueError(f"check: --model={target!r}: cannot import {where!r} ({_first_line(err)})") from None
+        raise ConvgradValueError(f"{command}: --model={target!r}: cannot import {where!r} ({_first_line(err)})"
+                                 ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ConvgradValueError(f"check: --model={target!r}: {where} has no callable {attr!r}")
+        raise ConvgradValueError(f"{command}: --model={target!r}: {where} has no callable {attr!r}")
 
     def build() -> Any:
         try:
             with _on_path(folder):
                 return factory()
         except Exception as err:
-            raise ConvgradValueError(f"check: --model={target!r}: {attr}() failed ({_first_line(err)})") from None
+            raise ConvgradValueError(f"{command}: --model={target!r}: {attr}() failed ({_first_line(err)})") from None
 
     build.__name__ = attr
     return build
@@ -134,12 +137,54 @@ def example_model() -> torch.nn.Module:
                          nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1))
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
-    """Every tensor of a model's output (a tensor, or a tuple/list/dict of them)."""
+def build_model(target: str, command: str = "check") -> torch.nn.Module:
+    """``load_factory(target, command)()``, refused unless it is a torch.nn.Module.
+
+    Raises:
+        ValueError: as ``load_factory``. TypeError: the factory returns something else.
+
+    Examples:
+        >>> type(build_model("convgrad.cli.check:example_model")).__name__
+        'Sequential'
+    """
+    model = load_factory(target, command)()
+    if not isinstance(model, torch.nn.Module):
+        raise ConvgradTypeError(f"{command}: --model={target!r} returned {type(model).__name__}, not a "
+                                "torch.nn.Module")
+    return model
+
+
+@contextlib.contextmanager
+def model_fails(command: str, target: str, input_shape: tuple[int, ...]) -> Iterator[None]:
+    """Any failure of the user's model inside, re-raised as one ValueError naming the model and the input size (a
+    wrong input shape, a dtype it cannot run in, ...).
+
+    Examples:
+        >>> try:
+        ...     with model_fails("check", "m:f", (1, 2)):
+        ...         {}["x"]
+        ... except ValueError as err:
+        ...     print(err)
+        check: --model='m:f' fails on --input-shape=1,2 (KeyError: 'x')
+    """
+    try:
+        yield
+    except Exception as err:
+        raise ConvgradValueError(f"{command}: --model={target!r} fails on --input-shape="
+                                 f"{','.join(map(str, input_shape))} ({_first_line(err)})") from None
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor of a model's output (a tensor, or a tuple/list/dict of them).
+
+    Examples:
+        >>> [tuple(t.shape) for t in output_tensors({"a": torch.ones(2), "b": (torch.ones(1, 3), "text")})]
+        [(2,), (1, 3)]
+    """
     if isinstance(out, torch.Tensor):
         return [out]
     values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else []
-    return [t for v in values for t in _tensors(v)]
+    return [t for v in values for t in output_tensors(v)]
 
 
 Call = tuple[str, torch.nn.modules.conv._ConvNd, torch.Tensor, list[torch.Tensor]]
@@ -162,7 +207,7 @@ def _record(model: torch.nn.Module, x: torch.Tensor, seed: int) -> list[Call]:
     handles = [m.register_forward_hook(hook(n)) for n, m in convs]
     try:
         g = torch.Generator().manual_seed(seed + 1)
-        outputs = [out for out in _tensors(model(x)) if out.requires_grad]
+        outputs = [out for out in output_tensors(model(x)) if out.requires_grad]
         loss = sum((out * torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)).real.sum()
                    for out in outputs)
         if isinstance(loss, torch.Tensor):
@@ -239,17 +284,12 @@ def check_model(target: str, input_shape: tuple[int, ...], backends: list[str] |
 
     fn = "check"
     names = [get_backend(name, fn).name for name in backends or convgrad.backends()]
-    model = load_factory(target)()
-    if not isinstance(model, torch.nn.Module):
-        raise ConvgradTypeError(f"check: --model={target!r} returned {type(model).__name__}, not a torch.nn.Module")
+    model = build_model(target, fn)
     wide = torch.complex128 if dtype.is_complex else torch.float64
     device = default_device(device)
     x = torch.randn(input_shape, generator=torch.Generator().manual_seed(seed), dtype=wide).to(device)
-    try:
+    with model_fails(fn, target, input_shape):
         calls = _record(model.to(device=device, dtype=wide), x.requires_grad_(), seed)
-    except Exception as err:  # the user's model: a wrong input shape, a dtype it cannot run in, ...
-        raise ConvgradValueError(f"check: --model={target!r} fails on --input-shape={','.join(map(str, input_shape))} "
-                                 f"({_first_line(err)})") from None
     calls = [call for call in calls if call[3]]  # a conv whose output reaches no loss has no gradient to check
     if not calls:
         raise ConvgradValueError(f"check: --model={target!r} has no convolution layers to check")

@@ -1,41 +1,34 @@
-"""Drop-in conv modules whose backward runs through a convgrad backend, and patch()/unpatch().
+"""Drop-in conv modules whose backward runs through a convgrad backend.
 
 ``convgrad.nn.Conv2d`` *is a* ``torch.nn.Conv2d`` (same constructor, parameters,
 state_dict and repr) plus ``backend=``; its forward calls ``convgrad.conv``.
-One mixin, ``_ConvgradMixin``, holds all the behaviour; the six public classes
-only combine it with their torch base.
-
-``patch`` gives an existing model the same behaviour without rebuilding it: it
-swaps each conv module's ``__class__`` for a generated subclass that puts the mixin
-right above the torch base, so every Parameter, buffer, hook and optimizer entry
-stays the very same object, a user subclass's own ``forward`` still runs first,
-and a parametrization's generated class (weight_norm, spectral_norm) stays the
-outermost, as ``torch.nn.utils.parametrize`` requires.
+One mixin, ``ConvgradMixin``, holds all the behaviour; the six public classes
+only combine it with their torch base (``DROP_IN``), and ``convgrad.nn.patch``
+puts it into the classes of an existing model's conv modules.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
 import torch
-import torch.nn.utils.parametrize as parametrize
 from torch import Tensor
 
-from convgrad.autograd import function
+from convgrad import scopes
 from convgrad.autograd.calls import apply
 from convgrad.autograd.function import SCRIPT_UNSUPPORTED, shape_of
 from convgrad.autograd.shortcut import CallMemo, memo_key, torch_conv
 from convgrad.backends import get_backend
 from convgrad.backends.auto import dynamo_compiling
-from convgrad.checks import check_module
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
+from convgrad.reach import user_class
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad
 from convgrad.tuning import modes as tuning_modes
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "patch", "unpatch"]
+__all__ = ["DROP_IN", "EVERYWHERE", "TORCH_CONVS", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+           "ConvTranspose3d", "ConvgradMixin"]
 
 # looked up once: the memo check asks them on every call of every module. The compile check comes before the tracing
 # one, so Dynamo, for which it is True, never meets torch._C._is_tracing (torch.jit.is_tracing without its two Python
@@ -45,11 +38,13 @@ __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "
 _is_compiling = dynamo_compiling
 _is_tracing = torch._C._is_tracing
 _autocast_enabled = torch._C._is_any_autocast_enabled
+# a function mode on the stack (convgrad.reach: a routing or capture mode, or a user's) must see every call
+_function_modes = torch._C._len_torch_function_stack
 # auto's memo_state inline (a call of it costs a Python frame on every call of every auto layer): same two values
 _get_num_threads = torch.get_num_threads
 
 
-class _ConvgradMixin:
+class ConvgradMixin:
     """What every convgrad conv module adds to its torch base: ``backend`` and a forward through convgrad.
 
     Sits right before the torch class in the MRO, so it overrides exactly the torch
@@ -90,23 +85,20 @@ class _ConvgradMixin:
     def _name(self) -> str:
         """The module's class as the user knows it, for error messages: ``Conv2d`` for a patched
         torch.nn.Conv2d, not the generated ``PatchedConv2d`` (nor a parametrization's class)."""
-        cls = _layers(self)[0]  # type: ignore[arg-type]
-        # getattr, not vars(cls): torch.compile refuses a class's mappingproxy once the trace mutated a dict
-        # (functional_call swapping parameters); only patch()'s generated classes define the attribute
-        return getattr(cls, "_convgrad_patched_from", cls).__name__
+        return user_class(self).__name__  # type: ignore[arg-type]
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """Forward conv through convgrad; non-zero padding modes pad explicitly by the spec's (lo, hi) pairs."""
         # The last call's validation serves this one (torch's convolution, see autograd.shortcut) where nothing it
         # depends on changed: the very hyperparameter objects, the operands' key, auto's state; never under
-        # no_weight_gradients, autocast, Dynamo or jit's tracer. Inline (one caller) and reading the module's own
-        # attributes from its __dict__: Module's __getattr__ makes each attribute read a slot wrapper's call, several
-        # times a dict lookup; a missing one (None) just validates
+        # no_weight_gradients, autocast, Dynamo, a function mode or jit's tracer. Inline (one caller) and reading the
+        # module's own attributes from its __dict__: Module's __getattr__ makes each attribute read a slot wrapper's
+        # call, several times a dict lookup; a missing one (None) just validates
         attrs = self.__dict__
         memo = attrs.get("_convgrad_memo")
         if (memo is not None and memo.key is not None and attrs.get("padding_mode") == "zeros"
-                and not (function.weight_gradients_disabled or _autocast_enabled() or _is_compiling()
-                         or _is_tracing())):
+                and not (scopes.weight_gradients_disabled or _autocast_enabled() or _is_compiling()
+                         or _function_modes() or _is_tracing())):
             hyper, backend = memo.hyper, attrs.get("backend")
             # transposed and output_padding (hyper[3], hyper[4]) are False and 0 on every call that fills this memo
             if (hyper[0] is attrs.get("stride") and hyper[1] is attrs.get("padding")
@@ -127,7 +119,8 @@ class _ConvgradMixin:
         if memo is None:
             memo = self.__dict__["_convgrad_memo"] = CallMemo()
         return apply(name, input, weight, bias, self.stride, padding, self.dilation, False, 0, self.groups,
-                      self.backend, memo if self.padding_mode == "zeros" else None)
+                     self.backend, memo if self.padding_mode == "zeros" else None,
+                     everywhere=attrs.get(EVERYWHERE, True))
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         """torch's forward; ``output_size`` (transposed convs only) picks output_padding as torch does."""
@@ -144,7 +137,7 @@ class _ConvgradMixin:
         output_padding = self._output_padding(  # type: ignore[attr-defined]  # torch's rule and its errors
             input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation)
         return apply(name, input, self.weight, self.bias, self.stride, self.padding, self.dilation, True,
-                      output_padding, self.groups, self.backend)
+                     output_padding, self.groups, self.backend, everywhere=self.__dict__.get(EVERYWHERE, True))
 
     def __prepare_scriptable__(self) -> Any:
         """torch.jit.script calls this first: refuse with the ways that work (a TorchScript graph cannot hold the
@@ -155,13 +148,6 @@ class _ConvgradMixin:
         s: str = super().extra_repr()  # type: ignore[misc]
         return s if self.backend == "auto" else f"{s}, backend={self.backend!r}"
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # patch()'s generated classes are not importable by name; pickle them as "patched(original class)"
-        original = type(self).__dict__.get("_convgrad_patched_from")
-        reduced = super().__reduce_ex__(protocol)
-        if original is None:
-            return reduced
-        return (_new_patched, (original,), *reduced[2:])
 
 
 _SHAPE_DOC = {
@@ -238,154 +224,38 @@ def _drop_in(n: int, transposed: bool) -> Any:
 
 
 @_drop_in(1, False)
-class Conv1d(_ConvgradMixin, torch.nn.Conv1d):
+class Conv1d(ConvgradMixin, torch.nn.Conv1d):
     pass
 
 
 @_drop_in(2, False)
-class Conv2d(_ConvgradMixin, torch.nn.Conv2d):
+class Conv2d(ConvgradMixin, torch.nn.Conv2d):
     pass
 
 
 @_drop_in(3, False)
-class Conv3d(_ConvgradMixin, torch.nn.Conv3d):
+class Conv3d(ConvgradMixin, torch.nn.Conv3d):
     pass
 
 
 @_drop_in(1, True)
-class ConvTranspose1d(_ConvgradMixin, torch.nn.ConvTranspose1d):
+class ConvTranspose1d(ConvgradMixin, torch.nn.ConvTranspose1d):
     pass
 
 
 @_drop_in(2, True)
-class ConvTranspose2d(_ConvgradMixin, torch.nn.ConvTranspose2d):
+class ConvTranspose2d(ConvgradMixin, torch.nn.ConvTranspose2d):
     pass
 
 
 @_drop_in(3, True)
-class ConvTranspose3d(_ConvgradMixin, torch.nn.ConvTranspose3d):
+class ConvTranspose3d(ConvgradMixin, torch.nn.ConvTranspose3d):
     pass
 
 
+# on a module: False where patch() set its backend model-wide without force=True (``apply``'s ``everywhere``)
+EVERYWHERE = "_convgrad_everywhere"
 # torch base -> its convgrad drop-in; the six torch classes are siblings, so a module derives from at most one
-_DROP_IN: dict[type, type] = {c.__mro__[2]: c for c in (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d,
-                                                       ConvTranspose3d)}
-_TORCH_CONVS = tuple(_DROP_IN)
-
-
-# ---- patch / unpatch ------------------------------------------------------------------------------------------
-
-@functools.cache
-def patched_class(original: type) -> type:
-    """``original`` with the mixin inserted right above its torch base (after any user subclass)."""
-    torch_base = next(c for c in original.__mro__ if c in _DROP_IN)
-    bases = (_DROP_IN[torch_base],) if original is torch_base else (original, _DROP_IN[torch_base])
-    return type(f"Patched{original.__name__}", bases,
-                {"_convgrad_patched_from": original, "__module__": __name__, "__doc__": original.__doc__})
-
-
-def _new_patched(original: type) -> Any:
-    """Unpickling helper: an empty instance of the patched class of ``original``."""
-    cls = patched_class(original)
-    return cls.__new__(cls)
-
-
-def _layers(module: torch.nn.Module) -> tuple[type, type | None]:
-    """(class below any parametrization, the parametrization's generated class or None)."""
-    cls = type(module)
-    if parametrize.is_parametrized(module):
-        return cls.__bases__[0], cls  # parametrize always generates a single-base subclass
-    return cls, None
-
-
-def _set_class(module: torch.nn.Module, inner: type, outer: type | None) -> None:
-    """Give module the class ``inner``, or, under a parametrization, a copy of ``outer`` rebuilt on ``inner``."""
-    if outer is not None:
-        # the copy keeps the properties parametrize injected; the name follows parametrize's "Parametrized<inner>"
-        namespace = {k: v for k, v in vars(outer).items() if k not in ("__dict__", "__weakref__")}
-        old_name = f"Parametrized{outer.__bases__[0].__name__}"
-        name = f"Parametrized{inner.__name__}" if outer.__name__ == old_name else outer.__name__
-        inner = type(name, (inner,), {**namespace, "__qualname__": name})
-    module.__class__ = inner
-
-
-def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
-    """Make every conv module of ``model`` compute its backward through convgrad, in place.
-
-    Each ``torch.nn.Conv{1,2,3}d`` / ``ConvTranspose{1,2,3}d`` (or subclass) gets a
-    generated subclass as its class; modules, Parameters, buffers, hooks and
-    optimizer state stay the very same objects. Modules that are already convgrad
-    modules only get the new backend. Works under weight_norm / spectral_norm
-    (both parametrizations and the old hook style). Other ``_ConvNd`` subclasses
-    that derive from none of the six torch classes are left alone.
-
-    Args:
-        model: any ``torch.nn.Module`` (a conv module itself included).
-        backend: one of ``convgrad.backends()`` (default ``"auto"``).
-
-    Returns:
-        ``model`` itself.
-
-    Raises:
-        ValueError, TypeError: an unknown backend; an uninitialised lazy conv module; ``model`` not a
-            ``torch.nn.Module``.
-
-    Source: DESIGN.md, "Public API".
-
-    Examples:
-        >>> import torch, convgrad as cg
-        >>> model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, stride=2), torch.nn.ReLU())
-        >>> weight = model[0].weight
-        >>> cg.patch(model, backend="fwdconv")[0]
-        PatchedConv2d(1, 4, kernel_size=(3, 3), stride=(2, 2), backend='fwdconv')
-        >>> model[0].weight is weight, isinstance(model[0], torch.nn.Conv2d)
-        (True, True)
-        >>> type(cg.unpatch(model)[0]) is torch.nn.Conv2d
-        True
-    """
-    get_backend(backend, "patch")
-    check_module("patch", model)
-    for name, module in model.named_modules():
-        if not isinstance(module, _TORCH_CONVS):
-            continue
-        if isinstance(module, torch.nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
-            raise ConvgradValueError(
-                f"patch: module {name or type(module).__name__!r} is an uninitialised lazy module; "
-                f"run one forward pass before patching")
-        if not isinstance(module, _ConvgradMixin):
-            inner, outer = _layers(module)
-            _set_class(module, patched_class(inner), outer)
-        module.backend = backend
-    return model
-
-
-def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo ``patch``: give every patched module its original class back, in place.
-
-    Modules built as ``convgrad.nn`` classes are not patches and stay as they are.
-
-    Args:
-        model: any ``torch.nn.Module``.
-
-    Returns:
-        ``model`` itself.
-
-    Raises:
-        TypeError: ``model`` is not a ``torch.nn.Module``.
-
-    Source: DESIGN.md, "Public API".
-
-    Examples:
-        >>> import torch, convgrad as cg
-        >>> m = cg.unpatch(cg.patch(torch.nn.ConvTranspose1d(2, 2, 3)))
-        >>> type(m), hasattr(m, "backend")
-        (<class 'torch.nn.modules.conv.ConvTranspose1d'>, False)
-    """
-    for module in check_module("unpatch", model).modules():
-        inner, outer = _layers(module)
-        original = vars(inner).get("_convgrad_patched_from")
-        if original is None:
-            continue
-        _set_class(module, original, outer)
-        module.__dict__.pop("backend", None)
-    return model
+DROP_IN: dict[type, type] = {c.__mro__[2]: c for c in (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d,
+                                                      ConvTranspose3d)}
+TORCH_CONVS = tuple(DROP_IN)

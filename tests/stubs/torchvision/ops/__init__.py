@@ -1,0 +1,1 @@
+"""Stand-in for torchvision.ops (see the package doc)."""
