@@ -83,7 +83,8 @@ def available(contender: str) -> bool:
 
 
 # ---- contenders: setup(model, quantity) once, then step(x, y) per measured step, release() after it ------------
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The step's loss: cross-entropy summed over the batch (every contender takes loss_reduction="sum")."""
     return F.cross_entropy(out, y, reduction="sum")
 
 
@@ -104,7 +105,7 @@ def _clip_sum(per_sample: list[torch.Tensor], params: list[nn.Parameter]) -> Non
 
 def setup_plain(model: nn.Module, quantity: str) -> Any:
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        _loss(model(x), y).backward()
+        loss(model(x), y).backward()
     return step
 
 
@@ -115,7 +116,7 @@ def setup_convgrad(model: nn.Module, quantity: str) -> Any:
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with psg:
-            _loss(model(x), y).backward()
+            loss(model(x), y).backward()
         if quantity == "b":
             psg.norms()
         elif quantity == "c":
@@ -193,7 +194,7 @@ def setup_backpack(model: nn.Module, quantity: str) -> Any:
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with backpack(BatchL2Grad() if quantity == "b" else BatchGrad()):
-            _loss(model(x), y).backward()
+            loss(model(x), y).backward()
         attr = "batch_l2" if quantity == "b" else "grad_batch"
         missing = sorted({owner[id(p)] for p in params if getattr(p, attr, None) is None})
         if missing:  # BackPACK extends the module types it knows and leaves the others' parameters without
@@ -211,7 +212,7 @@ def setup_torch_func(model: nn.Module, quantity: str) -> Any:
     params = {k: p.detach() for k, p in model.named_parameters()}
 
     def loss_one(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return _loss(functional_call(model, p, (x.unsqueeze(0),)), y.unsqueeze(0))
+        return loss(functional_call(model, p, (x.unsqueeze(0),)), y.unsqueeze(0))
 
     per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))
     live = dict(model.named_parameters())
@@ -250,7 +251,8 @@ def _in_place_off(setup: Any) -> Any:
 SETUPS.update({name + INPLACE_OFF: _in_place_off(SETUPS[name]) for name in HOOKED})
 
 
-def _data(model_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def data(model_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's inputs (BATCH, *INPUT_SHAPES[model_name]) and labels (BATCH,), the same in every run."""
     g = torch.Generator().manual_seed(0)
     shape = INPUT_SHAPES[model_name]
     return torch.randn(BATCH, *shape, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
@@ -269,7 +271,7 @@ def _timed(step: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tup
 def time_model(model_name: str, jobs: list[tuple[str, str]], repeats: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     base = MODELS[model_name]()
-    x, y = _data(model_name)
+    x, y = data(model_name)
     steps, models, errors, first = {}, {}, {}, {}
     inplace = timm_models.inplace_off(copy.deepcopy(base)) > 0
     jobs = list(jobs)
@@ -341,7 +343,7 @@ def memory_worker(model_name: str, contender: str, quantity: str, kind: str) -> 
     tensor bytes in the first step (convgrad's tuning) and in the second (steady)."""
     torch.manual_seed(0)
     model = MODELS[model_name]()
-    x, y = _data(model_name)
+    x, y = data(model_name)
     step = SETUPS[contender](model, quantity)
     gc.collect()
     if kind == "allocated":
