@@ -91,6 +91,21 @@ def test_a_contender_that_fails_on_in_place_ops_runs_again_with_them_off(bench: 
     assert list(clean) == [("plain", "-"), ("opacus", "c")] and "error" not in clean[("opacus", "c")]
 
 
+def test_a_failing_opacus_ghost_convgrad_step_leaves_opacus_as_it_was(bench: ModuleType,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its step registers convgrad's rules in Opacus around the forward and backward; one that raised (in-place ops)
+    left them registered, so every contender timed after it ran Opacus with convgrad's conv rules."""
+    pytest.importorskip("opacus")
+    from opacus.grad_sample import GradSampleHooks
+
+    before = GradSampleHooks.GRAD_SAMPLERS[nn.Conv2d]
+    monkeypatch.setattr(bench, "BATCH", 3)
+    step = bench.SETUPS["opacus-ghost+convgrad"](_tiny(inplace=True), "c")
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        step(torch.randn(3, 3, 8, 8), torch.tensor([0, 1, 2]))
+    assert GradSampleHooks.GRAD_SAMPLERS[nn.Conv2d] is before
+
+
 def test_backpack_leaving_a_parameter_without_its_per_sample_result_is_an_error(
         bench: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """BackPACK extends the module types it knows: GroupNorm's weight and bias got no grad_batch, and its (a) step
