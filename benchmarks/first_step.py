@@ -96,7 +96,7 @@ def _per_sample_setup(name: str, run: str, quantity: str) -> tuple[nn.Module, An
 
     torch.manual_seed(0)
     model = per_sample_models.MODELS[name]()
-    x, y = per_sample._data(name)
+    x, y = per_sample.data(name)
     setup = per_sample.setup_plain if run == "plain" else per_sample.setup_convgrad
     inner = setup(model, quantity)
 

@@ -84,7 +84,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", choices=sorted(ps.MODELS), default=sorted(ps.MODELS))
+    p.add_argument("--models", nargs="+", choices=sorted(ps.MODELS),
+                   default=sorted(set(ps.MODELS) - set(ps.TIMM)))  # timm's only when named: timm may be missing
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--batch", type=int, default=ps.BATCH, help=f"samples per step (default {ps.BATCH})")
     p.add_argument("--repeats", type=int, default=10, help="interleaved rounds (default 10)")

@@ -1,15 +1,21 @@
 """Per-sample gradients on CPU: convgrad against Opacus, BackPACK, torch.func and a plain backward.
 
 Models (benchmarks/per_sample_models.py, batch 32, float32): a small CNN, a CIFAR ResNet-18 (GroupNorm),
-VGG-11, WRN-16-4 (GroupNorm, no weight standardisation), a 1d conv net with wav2vec 2.0's strided kernels
-and a U-Net with ConvTranspose2d. Quantities, one training step each:
+VGG-11, WRN-16-4 (GroupNorm, no weight standardisation), a 1d conv net with wav2vec 2.0's strided kernels,
+a U-Net with ConvTranspose2d, a RepLKNet-style net, and five of timm's as DP practitioners take them (BatchNorm
+replaced by GroupNorm, 32x32, 10 classes; skipped where timm is not installed): efficientnet_b0, convnext_atto,
+mobilenetv3_small_100, regnetx_002, nf_resnet26. Quantities, one training step each:
     a  all per-sample gradients (N, *param.shape)
     b  per-sample gradient norms only (N,)
     c  one clipped, summed DP-SGD gradient (.grad = sum_n clip(g_n, C))
 Contenders: plain (a non-private backward, the floor), convgrad (PerSampleGrads), opacus (hooks mode:
 GradSampleModule, DPOptimizer's clipping), opacus-ghost (fast gradient clipping, (c) only),
 opacus-ghost+convgrad (the same with ``convgrad.opacus.register()``, when convgrad.opacus exists),
-backpack (BatchGrad, BatchL2Grad), torch.func (vmap of grad).
+backpack (BatchGrad, BatchL2Grad), torch.func (vmap of grad). A contender that is not installed is skipped, with a
+row that says so. Opacus and BackPACK work through module backward hooks, which fail on timm's in-place activations;
+where they do, the failure stays in the table and the contender runs again as "<name>, in-place off" on a copy with
+every module's ``inplace`` flag off (``INPLACE_OFF``); the targets compare convgrad with the peers that ran the
+unmodified model only.
 
 Time: per model, every (contender, quantity) is set up in one process on its own copy of the model;
 after two warm-up steps (the first one's time is kept: it includes convgrad's tuning), the steps run in
@@ -34,6 +40,8 @@ Usage (extra libraries: benchmarks/requirements.txt, installed as in benchmarks/
     PYTHONPATH=src python benchmarks/per_sample.py --models small_cnn resnet18 --quantities c --repeats 3
     PYTHONPATH=src python benchmarks/per_sample.py --models replknet_small --quantities b c --batch 4 --repeats 1
         (a quick check that a model runs; the targets are taken at the default batch of 32)
+    PYTHONPATH=src python benchmarks/per_sample.py --models efficientnet_b0 convnext_atto mobilenetv3_small_100 \
+        regnetx_002 nf_resnet26 --threads 2 --repeats 7 --out benchmarks/results/per_sample_timm
 Results go to benchmarks/results/per_sample.{json,md}.
 """
 
@@ -58,7 +66,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from per_sample_models import CLASSES, INPUT_SHAPES, MODELS
+import timm_models
+from per_sample_models import CLASSES, INPUT_SHAPES, MODELS, TIMM, timm_available
 
 BATCH, MAX_NORM = 32, 1.0
 CONTENDERS = ["plain", "convgrad", "opacus", "opacus-ghost", "opacus-ghost+convgrad", "backpack", "torch.func"]
@@ -74,7 +83,8 @@ def available(contender: str) -> bool:
 
 
 # ---- contenders: setup(model, quantity) once, then step(x, y) per measured step, release() after it ------------
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The step's loss: cross-entropy summed over the batch (every contender takes loss_reduction="sum")."""
     return F.cross_entropy(out, y, reduction="sum")
 
 
@@ -95,7 +105,7 @@ def _clip_sum(per_sample: list[torch.Tensor], params: list[nn.Parameter]) -> Non
 
 def setup_plain(model: nn.Module, quantity: str) -> Any:
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        _loss(model(x), y).backward()
+        loss(model(x), y).backward()
     return step
 
 
@@ -106,7 +116,7 @@ def setup_convgrad(model: nn.Module, quantity: str) -> Any:
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with psg:
-            _loss(model(x), y).backward()
+            loss(model(x), y).backward()
         if quantity == "b":
             psg.norms()
         elif quantity == "c":
@@ -157,10 +167,12 @@ def _ghost(model: nn.Module, ours: bool) -> Any:
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         if toggle is not None:
             toggle.register()
-        opt.zero_grad(set_to_none=True)
-        criterion(gsm(x), y).backward()  # two backward passes: norms, then the clipped sum into .grad
-        if toggle is not None:
-            toggle.unregister()
+        try:
+            opt.zero_grad(set_to_none=True)
+            criterion(gsm(x), y).backward()  # two backward passes: norms, then the clipped sum into .grad
+        finally:  # a step that raises (timm's in-place ops) must not leave the rules on for the next contender
+            if toggle is not None:
+                toggle.unregister()
     return step
 
 
@@ -178,10 +190,15 @@ def setup_backpack(model: nn.Module, quantity: str) -> Any:
 
     model = extend(model)
     params = [p for p in model.parameters() if p.requires_grad]
+    owner = {id(p): type(m).__name__ for m in model.modules() for p in m.parameters(recurse=False)}
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with backpack(BatchL2Grad() if quantity == "b" else BatchGrad()):
-            _loss(model(x), y).backward()
+            loss(model(x), y).backward()
+        attr = "batch_l2" if quantity == "b" else "grad_batch"
+        missing = sorted({owner[id(p)] for p in params if getattr(p, attr, None) is None})
+        if missing:  # BackPACK extends the module types it knows and leaves the others' parameters without
+            raise RuntimeError(f"BackPACK gives no per-sample {attr} to the parameters of {', '.join(missing)}")
         if quantity == "b":
             torch.stack([p.batch_l2 for p in params]).sum(0).sqrt()
         elif quantity == "c":
@@ -195,7 +212,7 @@ def setup_torch_func(model: nn.Module, quantity: str) -> Any:
     params = {k: p.detach() for k, p in model.named_parameters()}
 
     def loss_one(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return _loss(functional_call(model, p, (x.unsqueeze(0),)), y.unsqueeze(0))
+        return loss(functional_call(model, p, (x.unsqueeze(0),)), y.unsqueeze(0))
 
     per_sample = vmap(grad(loss_one), in_dims=(None, 0, 0))
     live = dict(model.named_parameters())
@@ -215,9 +232,27 @@ def setup_torch_func(model: nn.Module, quantity: str) -> Any:
 SETUPS = {"plain": setup_plain, "convgrad": setup_convgrad, "opacus": setup_opacus,
           "opacus-ghost": setup_opacus_ghost, "opacus-ghost+convgrad": setup_opacus_ghost_convgrad,
           "backpack": setup_backpack, "torch.func": setup_torch_func}
+# Contenders built on module backward hooks (Opacus, BackPACK) fail on a model whose forward changes a module's
+# output in place (timm's activations, ``inplace=True``: "Output 0 of BackwardHookFunction is a view and is being
+# modified inplace"). Where one fails on a model that has such modules, it runs again as "<name>, in-place off" on a
+# copy whose modules' ``inplace`` flags are off (``time_model``); the unmodified model's failure stays in the table
+# beside it, and the targets compare convgrad only with contenders that ran the unmodified model.
+INPLACE_OFF = ", in-place off"
+HOOKED = ("opacus", "opacus-ghost", "opacus-ghost+convgrad", "backpack")
 
 
-def _data(model_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _in_place_off(setup: Any) -> Any:
+    def run(model: nn.Module, quantity: str) -> Any:
+        timm_models.inplace_off(model)
+        return setup(model, quantity)
+    return run
+
+
+SETUPS.update({name + INPLACE_OFF: _in_place_off(SETUPS[name]) for name in HOOKED})
+
+
+def data(model_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's inputs (BATCH, *INPUT_SHAPES[model_name]) and labels (BATCH,), the same in every run."""
     g = torch.Generator().manual_seed(0)
     shape = INPUT_SHAPES[model_name]
     return torch.randn(BATCH, *shape, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
@@ -236,9 +271,11 @@ def _timed(step: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tup
 def time_model(model_name: str, jobs: list[tuple[str, str]], repeats: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     base = MODELS[model_name]()
-    x, y = _data(model_name)
+    x, y = data(model_name)
     steps, models, errors, first = {}, {}, {}, {}
-    for job in jobs:
+    inplace = timm_models.inplace_off(copy.deepcopy(base)) > 0
+    jobs = list(jobs)
+    for job in jobs:  # grows: a hook-based contender's failure on in-place modules adds its in-place-off run
         models[job] = copy.deepcopy(base)
         try:
             steps[job] = SETUPS[job[0]](models[job], job[1])
@@ -247,6 +284,8 @@ def time_model(model_name: str, jobs: list[tuple[str, str]], repeats: int) -> li
         except Exception as e:  # a contender that cannot handle the model (BackPACK and GroupNorm, say)
             errors[job] = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             steps.pop(job, None)
+            if inplace and job[0] + INPLACE_OFF in SETUPS:
+                jobs.insert(jobs.index(job) + 1, (job[0] + INPLACE_OFF, job[1]))
     live = [j for j in jobs if j in steps]
     wall: dict[tuple[str, str], list[float]] = {j: [] for j in live}
     cpu: dict[tuple[str, str], list[float]] = {j: [] for j in live}
@@ -304,7 +343,7 @@ def memory_worker(model_name: str, contender: str, quantity: str, kind: str) -> 
     tensor bytes in the first step (convgrad's tuning) and in the second (steady)."""
     torch.manual_seed(0)
     model = MODELS[model_name]()
-    x, y = _data(model_name)
+    x, y = data(model_name)
     step = SETUPS[contender](model, quantity)
     gc.collect()
     if kind == "allocated":
@@ -354,8 +393,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
         return f"{steady} / {first}" if steady or first else ""
 
     for r in results:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['quantity']} | {r['contender']} | error: {r['error']} | | | | | |")
+        if "error" in r or "skipped" in r:
+            why = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+            lines.append(f"| {r['model']} | {r['quantity']} | {r['contender']} | {why} | | | | | |")
             continue
         ratio = f"{r['ratio']:.2f} ({r['iqr'][0]:.2f}-{r['iqr'][1]:.2f})" if "ratio" in r else ""
         lines.append(f"| {r['model']} | {r['quantity']} | {r['contender']} | {r['time_s']:.3f} | {ratio} | "
@@ -368,14 +408,20 @@ MEMORY = (("peak_mib", "peak RSS"), ("alloc_mib", "peak allocated (steady step)"
           ("alloc_first_mib", "peak allocated (first step)"))
 
 
+def _peer(contender: str) -> bool:
+    """Whether a contender is another library's, run on the model as it is (not an in-place-off copy)."""
+    return contender not in ("plain", "convgrad") and not contender.endswith(INPLACE_OFF)
+
+
 def targets(results: list[dict[str, Any]]) -> list[str]:
     """The targets of the per-sample work, checked per model."""
-    ok = {(r["model"], r["contender"], r["quantity"]): r for r in results if "error" not in r}
+    ok = {(r["model"], r["contender"], r["quantity"]): r for r in results if "error" not in r and "skipped" not in r}
     out = []
     for m in sorted({r["model"] for r in results}):
         plain = ok.get((m, "plain", "-"))
         ours_a, ours_c = ok.get((m, "convgrad", "a")), ok.get((m, "convgrad", "c"))
-        others = [r for (mm, c, q), r in ok.items() if mm == m and q == "a" and c not in ("plain", "convgrad")]
+        others = [r for (mm, c, q), r in ok.items() if mm == m and q == "a" and _peer(c)]
+        peers_c = [r for (mm, c, q), r in ok.items() if mm == m and q == "c" and _peer(c) and "+convgrad" not in c]
         if ours_a and "ratio" in ours_a:
             out.append(f"{m} (a): {ours_a['ratio']:.2f}x plain (target <= 1.5x)")
         if ours_a and others:
@@ -390,6 +436,10 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
         if ours_c and "ratio" in ours_c:
             bar = 1.3 if m in ("resnet18", "vgg11") else 1.5
             out.append(f"{m} (c): {ours_c['ratio']:.2f}x plain (target <= {bar}x)")
+            if peers_c:
+                fastest = min(peers_c, key=lambda r: r["time_s"])
+                out.append(f"{m} (c): {fastest['time_s'] / ours_c['time_s']:.2f}x faster than the fastest peer on "
+                           f"the unmodified model, {fastest['contender']} (target >= 1.0x)")
             for key, what in MEMORY:
                 if plain and isinstance(ours_c.get(key), float) and isinstance(plain.get(key), float):
                     out.append(f"{m} (c) {what}: {ours_c[key] / max(plain[key], 1e-9):.2f}x plain "
@@ -435,19 +485,26 @@ def main(argv: list[str] | None = None) -> int:
     malloc = keep_malloc() if args.malloc == "keep" else "system"
     console.print(f"malloc while timing: {malloc}")
     contenders = [c for c in args.contenders if available(c)]
-    for c in sorted(set(args.contenders) - set(contenders)):
+    missing = [c for c in args.contenders if c not in contenders]
+    for c in missing:
         console.print(f"skipped {c}: not installed")
     jobs = [("plain", "-")] + [(c, q) for c in contenders if c != "plain" for q in args.quantities
                                if q == "c" or c not in ONLY_C]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     for model in args.models:
+        if model in TIMM and not timm_available():
+            console.print(f"skipped {model}: timm is not installed (benchmarks/requirements.txt)")
+            results.append({"model": model, "contender": "(all)", "quantity": "-",
+                             "skipped": "timm is not installed (benchmarks/requirements.txt)"})
+            continue
         console.print(f"timing {model}: {len(jobs)} jobs, {args.repeats} rounds")
         records = time_model(model, jobs, args.repeats)
         for r in records:
             if not args.no_memory and "error" not in r:
                 r.update(measure_memory(args, model, r["contender"], r["quantity"]))
-        results += records
+        results += records + [{"model": model, "contender": c, "quantity": "-", "skipped": "not installed"}
+                              for c in missing]
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))  # partial results survive
     md = (f"malloc while timing: {malloc}\n\n" + markdown(results) + "\n\n"
           + "\n".join(f"- {t}" for t in targets(results)) + "\n")

@@ -1,13 +1,18 @@
 """The models of benchmarks/per_sample.py: conv nets that DP-SGD users train, each with its input shape.
 
 Every model takes a batch of 32 and returns (N, 10) logits; normalisation is GroupNorm (BatchNorm mixes
-the samples of a batch and has no per-sample gradient).
+the samples of a batch and has no per-sample gradient). Five are timm's (``TIMM``, built by
+benchmarks/timm_models.py: BatchNorm replaced by GroupNorm, 32x32 inputs, everything else as timm writes it,
+in-place activations included), listed whether or not timm is installed (``timm_available``).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 
+import timm_models
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -151,9 +156,22 @@ def replknet_small(norm: str = "group", channels: int = 64, blocks: int = 3, ker
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, CLASSES))
 
 
+# timm's conv architectures of issue 38's benchmark (its smallest variants): inverted residuals with squeeze-excitation
+# (efficientnet_b0, mobilenetv3_small_100, hard-swish), ConvNeXt (7x7 depthwise, LayerNorm2d, layer-scale gamma),
+# RegNetX (grouped 3x3), NF-ResNet (ScaledStdConv2d: weights standardised in the forward, a trainable gain)
+TIMM = ("efficientnet_b0", "convnext_atto", "mobilenetv3_small_100", "regnetx_002", "nf_resnet26")
+
+
+def timm_available() -> bool:
+    """Whether timm is installed (benchmarks/requirements.txt)."""
+    return importlib.util.find_spec("timm") is not None
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"small_cnn": small_cnn, "resnet18": resnet18, "vgg11": vgg11,
                                               "wrn16_4": wrn16_4, "conv1d_audio": conv1d_audio, "unet": UNet,
-                                              "replknet_small": replknet_small}
+                                              "replknet_small": replknet_small,
+                                              **{name: functools.partial(timm_models.create, name, CLASSES)
+                                                 for name in TIMM}}
 INPUT_SHAPES: dict[str, tuple[int, ...]] = {name: (1, 8000) if name == "conv1d_audio" else (3, 32, 32)
                                             for name in MODELS}  # one sample's shape
 INPUT_SHAPES["replknet_small"] = (3, 56, 56)

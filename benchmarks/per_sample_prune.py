@@ -47,7 +47,7 @@ def _shapes(name: str) -> list[tuple[Any, bool]]:
 
         torch.manual_seed(0)
         model = per_sample_models.MODELS[name]()
-        x, y = per_sample._data(name)
+        x, y = per_sample.data(name)
         with modes.tuning_mode("fixed"):
             per_sample.setup_convgrad(model, "c")(x, y)
     finally:

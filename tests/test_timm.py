@@ -6,14 +6,15 @@ pretrained weights (nothing is downloaded). The fast tier runs small copies of t
 (tests/patterns.py).
 
 timm is installed without its dependencies (``.ci/run``): the registry has no CPU wheel of torchvision for this
-torch, and tests/stubs holds a stand-in for the few names timm imports at module level.
+torch, and tests/stubs holds a stand-in for the few names timm imports at module level. The models are built as
+benchmarks/per_sample.py builds its timm models (benchmarks/timm_models.py: BatchNorm to GroupNorm).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -23,16 +24,12 @@ from torch import nn
 
 import convgrad as cg
 from convgrad.backends import auto
-from helpers import TOL
+from helpers import TOL, load_script
 
-try:
-    import torchvision  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).with_name("stubs")))
-if os.environ.get("CI"):  # .ci/run installs timm: its absence there is a failure, not a skip
-    import timm
-else:
-    timm = pytest.importorskip("timm")
+timm_models = load_script("timm_models", Path(__file__).resolve().parents[1] / "benchmarks" / "timm_models.py")
+# .ci/run installs timm: its absence there is a failure, not a skip
+if not os.environ.get("CI") and importlib.util.find_spec("timm") is None:
+    pytest.skip("timm is not installed", allow_module_level=True)
 
 DT = torch.float64
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
@@ -64,27 +61,7 @@ OPACUS = ["efficientnet_b0", "tf_efficientnet_b0", "mobilenetv3_small_050", "reg
 
 
 def _model(name: str, groupnorm: bool) -> nn.Module:
-    try:
-        model = timm.create_model(name, pretrained=False, num_classes=3, drop_rate=0.0, drop_path_rate=0.0)
-    except TypeError:  # a model without stochastic depth
-        model = timm.create_model(name, pretrained=False, num_classes=3, drop_rate=0.0)
-    if groupnorm:
-        _batch_norm_to_group_norm(model)
-    return model.to(DT).train()
-
-
-def _batch_norm_to_group_norm(model: nn.Module) -> None:
-    """Every BatchNorm (timm's BatchNormAct2d included: its act stays) becomes a GroupNorm of up to 32 groups of two
-    channels or more (a group of one channel on a 1x1 map normalises a single value: an error in torch)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.modules.batchnorm._BatchNorm):
-                c = child.num_features
-                groups = next(g for g in (32, 16, 8, 4, 2, 1) if c % g == 0 and c // g >= min(2, c))
-                norm = nn.GroupNorm(groups, c, affine=child.affine)
-                if type(child) is not nn.BatchNorm2d and hasattr(child, "act"):  # timm's BatchNormAct2d
-                    norm = nn.Sequential(norm, child.drop, child.act)
-                setattr(parent, name, norm)
+    return timm_models.create(name, 3, groupnorm).to(DT)
 
 
 def _input(name: str, n: int = 2) -> torch.Tensor:
@@ -164,9 +141,7 @@ def test_opacus_with_registered_rules_clips_like_the_loop(name: str, mode: str) 
 
     torch.manual_seed(0)
     model = _model(name, groupnorm=True)
-    for m in model.modules():
-        if hasattr(m, "inplace"):
-            m.inplace = False
+    timm_models.inplace_off(model)
     x, y = _input(name, 3), torch.tensor([0, 2, 1])
     loss = nn.CrossEntropyLoss(reduction="sum")
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
