@@ -278,3 +278,30 @@ def test_report_names_each_conv_call_and_what_auto_chose_from_the_store(tuned: N
         assert row.why.startswith(wanted) and set(choice.pending) <= set(row.pending)
     assert report.settled == (not any(row.pending for row in report.calls))
     assert "7 of 7 conv calls reached by convgrad" in str(report)
+
+
+def test_a_patched_conv_in_a_routed_forward_keeps_its_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a parent's routed forward the module's memo of its last native call serves again (it validated every
+    call before, routing being a function mode); under PerSampleGrads it does not (the capture must see it)."""
+    import convgrad.nn.modules as modules
+
+    calls: list[str] = []
+    apply = modules.apply
+    monkeypatch.setattr(modules, "apply", lambda *a, **k: calls.append(a[0]) or apply(*a, **k))
+
+    class Own(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x)
+
+    model = cg.patch(Own(), backend="native")
+    x = torch.randn(1, 2, 5, 5)
+    for _ in range(3):
+        model(x)
+    assert calls == ["Conv2d"]  # validated once
+    with cg.PerSampleGrads(model):
+        model(x).sum().backward()
+    assert calls == ["Conv2d", "Conv2d"]  # the capture saw the call

@@ -22,7 +22,7 @@ from convgrad.autograd.shortcut import CallMemo, memo_key, torch_conv
 from convgrad.backends import get_backend
 from convgrad.backends.auto import dynamo_compiling
 from convgrad.errors import ConvgradTypeError, ConvgradValueError
-from convgrad.reach import user_class
+from convgrad.reach import active_capture, user_class
 from convgrad.spec import ConvSpec
 from convgrad.tensor_ops import pad
 from convgrad.tuning import modes as tuning_modes
@@ -38,7 +38,8 @@ __all__ = ["DROP_IN", "EVERYWHERE", "TORCH_CONVS", "Conv1d", "Conv2d", "Conv3d",
 _is_compiling = dynamo_compiling
 _is_tracing = torch._C._is_tracing
 _autocast_enabled = torch._C._is_any_autocast_enabled
-# a function mode on the stack (convgrad.reach: a routing or capture mode, or a user's) must see every call
+# a capture mode (convgrad.reach: PerSampleGrads) must see every call; routing (a patched parent's forward) and a
+# user's mode see torch's convolution of the memo as they would see it anyway
 _function_modes = torch._C._len_torch_function_stack
 # auto's memo_state inline (a call of it costs a Python frame on every call of every auto layer): same two values
 _get_num_threads = torch.get_num_threads
@@ -91,14 +92,14 @@ class ConvgradMixin:
         """Forward conv through convgrad; non-zero padding modes pad explicitly by the spec's (lo, hi) pairs."""
         # The last call's validation serves this one (torch's convolution, see autograd.shortcut) where nothing it
         # depends on changed: the very hyperparameter objects, the operands' key, auto's state; never under
-        # no_weight_gradients, autocast, Dynamo, a function mode or jit's tracer. Inline (one caller) and reading the
+        # no_weight_gradients, autocast, Dynamo, a capture mode or jit's tracer. Inline (one caller) and reading the
         # module's own attributes from its __dict__: Module's __getattr__ makes each attribute read a slot wrapper's
         # call, several times a dict lookup; a missing one (None) just validates
         attrs = self.__dict__
         memo = attrs.get("_convgrad_memo")
         if (memo is not None and memo.key is not None and attrs.get("padding_mode") == "zeros"
                 and not (scopes.weight_gradients_disabled or _autocast_enabled() or _is_compiling()
-                         or _function_modes() or _is_tracing())):
+                         or (_function_modes() and active_capture() is not None) or _is_tracing())):
             hyper, backend = memo.hyper, attrs.get("backend")
             # transposed and output_padding (hyper[3], hyper[4]) are False and 0 on every call that fills this memo
             if (hyper[0] is attrs.get("stride") and hyper[1] is attrs.get("padding")
