@@ -305,3 +305,14 @@ def test_a_patched_conv_in_a_routed_forward_keeps_its_memo(monkeypatch: pytest.M
     with cg.PerSampleGrads(model):
         model(x).sum().backward()
     assert calls == ["Conv2d", "Conv2d"]  # the capture saw the call
+
+
+def test_a_routed_forward_keeps_the_original_signature() -> None:
+    """torch.export binds dynamic_shapes to forward's parameters: a routed forward of (*args, **kwargs) failed it
+    ("inputs[0] is a tuple, but dynamic_shapes[0] is a dict", tests/test_export.py's own-forward cases)."""
+    import inspect
+
+    model = cg.patch(nn.Sequential(SameConv(2, 3, 3), BlurPool(3)), backend="fwdconv")
+    for patched, original in ((model[0], SameConv), (model[1], BlurPool)):
+        assert inspect.signature(patched.forward) == inspect.signature(original.forward.__get__(patched))
+        assert type(patched).forward.__doc__ == original.forward.__doc__

@@ -94,21 +94,24 @@ class PatchedBase:
 
 
 class RoutedBase(PatchedBase):
-    """Base of a generated class whose forward runs its original forward inside the routing mode."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        top = top_mode()
-        if isinstance(top, Routing):  # an enclosing routed forward: answer for this module while it runs
-            outer, top.module = top.module, self  # type: ignore[assignment]  # self is the module (a mixin)
-            try:
-                return super().forward(*args, **kwargs)  # type: ignore[misc]
-            finally:
-                top.module = outer
-        with Routing(self):  # type: ignore[arg-type]
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
+    """Base of a generated class whose forward (made by ``patched_class``, with the original's signature) runs the
+    original forward inside the routing mode."""
 
     def _get_name(self) -> str:  # torch's repr: the class the user wrote, a routed module claims no backend
         return type(self).__dict__.get("_convgrad_patched_from", type(self)).__name__
+
+
+def _run_routed(module: torch.nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``forward(*args, **kwargs)`` (the module's original forward) inside the routing mode."""
+    top = top_mode()
+    if isinstance(top, Routing):  # an enclosing routed forward: answer for this module while it runs
+        outer, top.module = top.module, module
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            top.module = outer
+    with Routing(module):
+        return forward(*args, **kwargs)
 
 
 def routes_forward(cls: type) -> bool:
@@ -131,7 +134,14 @@ def patched_class(original: type) -> type:
                                  "__doc__": original.__doc__}
     if routed and torch_base is not None:  # a conv's repr names its patched class, as before
         namespace["_get_name"] = lambda self: type(self).__name__
-    return type(f"Patched{original.__name__}", ((RoutedBase if routed else PatchedBase), *bases), namespace)
+    cls = type(f"Patched{original.__name__}", ((RoutedBase if routed else PatchedBase), *bases), namespace)
+    if routed:
+        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _run_routed(self, super(cls, self).forward, args, kwargs)
+
+        # the original's name, doc and signature (torch.export binds dynamic_shapes to forward's parameters)
+        cls.forward = functools.wraps(original.forward)(forward)  # type: ignore[attr-defined]
+    return cls
 
 
 def _new_patched(original: type) -> Any:
