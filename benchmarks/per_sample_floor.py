@@ -58,7 +58,7 @@ import per_sample
 from per_sample_models import MODELS, TIMM, timm_available
 
 import convgrad as cg
-import convgrad.per_sample.model as psg_model
+import convgrad.per_sample.session as session
 from convgrad.functional import conv_bias_grad
 from convgrad.per_sample import methods, rules, tuning
 from convgrad.per_sample.functional import per_sample_bias_grad
@@ -117,22 +117,24 @@ class Captured:
     where: str
     identity: bool  # its weight and bias operands are the parameters themselves (no transform to pull back)
     layer: rules.Layer | None = None
-    operands: dict[str, Any] = dataclasses.field(default_factory=dict)  # {operand: capture.Operand}
+    operands: dict[str, Any] = dataclasses.field(default_factory=dict)  # {operand: operands.Operand}
     params: dict[int, nn.Parameter] = dataclasses.field(default_factory=dict)  # the parameters behind them, by id
     rerun: tuple[Any, ...] = ()  # fallback.rerun's arguments
 
 
 def capture(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[Captured]:
-    """Every layer call of one clipped step, in the order the backward meets them. It wraps the context's ``tap``
-    (every rule-served call passes it its rule's maker) and the ``rerun`` that the context calls."""
+    """Every layer call of one clipped step, in the order the backward meets them. It wraps the session's ``tap``
+    (every rule-served call passes it its rule's maker; ``convgrad.per_sample.session``) and the ``rerun`` that the
+    session calls."""
     psg = cg.PerSampleGrads(model, loss_reduction="sum", norms_only=True)
     params = {id(p): p for p in model.parameters()}
     names = {m: name or "(the model)" for name, m in model.named_modules()}
     out: list[Captured] = []
-    tap, rerun = psg.tap, psg_model.rerun
+    tap, rerun = session.Session.tap, session.rerun
 
-    def recording_tap(name: str, make: Any, x: torch.Tensor, y: torch.Tensor, operands: dict[str, Any]) -> Any:
-        where = psg.where()
+    def recording_tap(self: session.Session, name: str, make: Any, x: torch.Tensor, y: torch.Tensor,
+                      operands: dict[str, Any]) -> Any:
+        where = self.where()
         identity = all(len(op.sources) == 1 and id(op.tensor) in params for op in operands.values())
 
         def recording_make(*args: Any) -> rules.Layer:
@@ -140,22 +142,23 @@ def capture(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[Captured
             behind = {i: params[i] for op in operands.values() for i in op.sources}
             out.append(Captured(name, where, identity, layer=layer, operands=operands, params=behind))
             return layer
-        return tap(name, recording_make, x, y, operands)
+        return tap(self, name, recording_make, x, y, operands)
 
     def recording_rerun(module: nn.Module, *args: Any) -> Any:
         out.append(Captured("rerun", f"module {names[module]!r} ({type(module).__name__})", True,
                             rerun=(module, *args)))
         return rerun(module, *args)
 
-    psg.tap = recording_tap  # type: ignore[method-assign]
-    psg_model.rerun = recording_rerun  # type: ignore[assignment]
+    session.Session.tap = recording_tap  # type: ignore[method-assign]
+    session.rerun = recording_rerun  # type: ignore[assignment]
     try:
         with psg:
             # retained: a computed weight's transform graph, which the pull-backs timed later go through
             per_sample.loss(model(x), y).backward(retain_graph=True)
         psg.clip_and_accumulate(per_sample.MAX_NORM)
     finally:
-        psg_model.rerun = rerun  # type: ignore[assignment]
+        session.Session.tap = tap  # type: ignore[method-assign]
+        session.rerun = rerun  # type: ignore[assignment]
     return out
 
 
@@ -250,7 +253,7 @@ def _rerun(c: Captured, time: Timer) -> Ways:
     """A module's forward run per sample for the parameters no rule reaches: the only way."""
     gy = c.rerun[5]  # fallback.rerun's grad_output
     ones = torch.ones(gy.shape[0], dtype=methods.norm_dtype(gy.dtype))
-    return Ways({"rerun": time(lambda: _stored(psg_model.rerun(*c.rerun), ones))}, {}, 0.0)
+    return Ways({"rerun": time(lambda: _stored(session.rerun(*c.rerun), ones))}, {}, 0.0)
 
 
 def _choice(c: Captured) -> str:
