@@ -20,11 +20,9 @@ each at most 2x native's), in ``benchmarks/results/fft_memory.md``:
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from torch.utils import benchmark
 
 from convgrad.backends import auto, get_backend
 from convgrad.backends.native import forward as native_forward
+from convgrad.cli.bench import model as model_bench
 from convgrad.cli.bench.layers import Layer, select
 from convgrad.spec import ConvSpec
 
@@ -59,19 +58,10 @@ def time_interleaved(calls: dict[str, Callable[[], object]], min_time: float, ro
 
 
 def peak_bytes(f: Callable[[], object]) -> int:
-    """Peak of live bytes allocated during one call of f (torch profiler memory events, CPU allocator)."""
+    """Peak of live bytes allocated during one call of f, after a first call (``convgrad bench``'s measure: the torch
+    profiler's memory events, CPU allocator)."""
     f()
-    with tempfile.TemporaryDirectory() as tmp:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            f()
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    live = peak = 0
-    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
-        live += e["args"]["Bytes"]
-        peak = max(peak, live)
-    return peak
+    return model_bench.peak_bytes(f, torch.device("cpu"))
 
 
 def _fft_conv_pytorch(spec: ConvSpec, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor

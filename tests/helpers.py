@@ -14,6 +14,7 @@ import importlib.util
 import math
 import random
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -348,3 +349,69 @@ def python_frames(step: Callable[[], object]) -> int:
     finally:
         sys.setprofile(None)
     return count
+
+
+def per_sample_loop(model: torch.nn.Module, loss: Callable[[torch.Tensor], torch.Tensor],
+                    *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-sample gradients of every trainable parameter, one sample at a time by torch autograd:
+    {name: (N, *param.shape)}, each sample's own loss(model(sample))."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in params}
+    for i in range(inputs[0].shape[0]):
+        grads = torch.autograd.grad(loss(model(*(t[i:i + 1] for t in inputs))), list(params.values()))
+        for k, g in zip(params, grads, strict=True):
+            rows[k].append(g)
+    return {k: torch.stack(v) if v else p.new_zeros(0, *p.shape) for (k, v), p in zip(rows.items(), params.values())}
+
+
+def assert_per_sample_matches_the_loop(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                                       loss: Callable[[torch.Tensor], torch.Tensor], norms_only: bool,
+                                       dtype: torch.dtype = torch.float64) -> Any:
+    """PerSampleGrads over ``model`` with a summed ``loss`` against ``per_sample_loop``: every trainable parameter's
+    per-sample gradients (full mode), the norms and the clipped sum at the median norm (both modes). Returns the
+    context (for its report)."""
+    import convgrad as cg
+
+    ref = per_sample_loop(model, loss, *inputs)
+    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
+        loss(model(*inputs)).backward()
+    if not norms_only:
+        assert_matches_autograd({k: p.grad_sample for k, p in params.items()}, ref, dtype, "grad_sample")
+    torch.testing.assert_close(psg.norms(), norms, **TOL[dtype])
+    model.zero_grad()
+    bound = float(norms.median())
+    psg.clip_and_accumulate(bound)
+    factors = (bound / (norms + 1e-6)).clamp(max=1.0)
+    assert_matches_autograd({k: p.grad for k, p in params.items()},
+                            {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}, dtype, "clipped sum")
+    return psg
+
+
+def opacus_private_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, max_norm: float,
+                        reduction: str = "sum") -> dict[str, Any]:
+    """One Opacus PrivacyEngine step (hooks or ghost ``mode``, a cross-entropy loss) with noise 0 and one fixed
+    batch; the optimizer's lr 0 leaves .grad to read. Returns {name: .grad} and, under "functorch", the modules
+    Opacus ran its functorch fallback on."""
+    from opacus import PrivacyEngine
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=x.shape[0])
+    criterion = torch.nn.CrossEntropyLoss(reduction=reduction)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus warns about its secure RNG and about the accountant's alphas
+        made = PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                            data_loader=loader, noise_multiplier=0.0, max_grad_norm=max_norm,
+                                            poisson_sampling=False, loss_reduction=reduction,
+                                            grad_sample_mode=mode, criterion=criterion)
+    gsm, opt, loader = made[0], made[1], made[-1]
+    criterion = made[2] if mode == "ghost" else criterion  # ghost wraps the loss for its two backward passes
+    for xb, yb in loader:
+        opt.zero_grad()
+        criterion(gsm(xb), yb).backward()
+        opt.step()
+    out = {k: p.grad.clone() for k, p in model.named_parameters()}
+    out["functorch"] = [k for k, m in model.named_modules() if hasattr(m, "ft_compute_sample_grad")]  # type: ignore
+    gsm._close()
+    return out

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import convgrad as cg
-from helpers import TOL, assert_matches_autograd
+from helpers import TOL, assert_matches_autograd, opacus_private_step
 
 opacus = pytest.importorskip("opacus")
 from opacus.grad_sample import GradSampleHooks, GradSampleHooksFastGradientClipping  # noqa: E402
@@ -82,28 +82,8 @@ def _median_norm(grads: dict[str, torch.Tensor]) -> float:
 
 
 def _private_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mode: str, max_norm: float,
-                  reduction: str = "sum") -> dict[str, torch.Tensor]:
-    """One PrivacyEngine step with noise 0 and fixed batches; the optimizer's lr 0 leaves .grad to read."""
-    from opacus import PrivacyEngine
-
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=x.shape[0])
-    criterion = nn.CrossEntropyLoss(reduction=reduction)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Opacus warns about its secure RNG and about the accountant's alphas
-        made = PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                            data_loader=loader, noise_multiplier=0.0, max_grad_norm=max_norm,
-                                            poisson_sampling=False, loss_reduction=reduction,
-                                            grad_sample_mode=mode, criterion=criterion)
-    gsm, opt, loader = made[0], made[1], made[-1]
-    criterion = made[2] if mode == "ghost" else criterion  # ghost wraps the loss for its two backward passes
-    for xb, yb in loader:
-        opt.zero_grad()
-        criterion(gsm(xb), yb).backward()
-        opt.step()
-    out = {k: p.grad.clone() for k, p in model.named_parameters()}
-    out["functorch"] = [k for k, m in model.named_modules() if hasattr(m, "ft_compute_sample_grad")]  # type: ignore
-    gsm._close()
-    return out
+                  reduction: str = "sum") -> dict[str, Any]:
+    return opacus_private_step(model, x, y, mode, max_norm, reduction)
 
 
 def _models() -> dict[str, nn.Module]:

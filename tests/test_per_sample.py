@@ -15,7 +15,16 @@ import convgrad as cg
 from convgrad.per_sample import methods, rules, session
 from convgrad.tuning import Choice
 from convgrad.tuning.tuner import PRUNE_ESTIMATE
-from helpers import TOL, Case, assert_matches_autograd, layer_case, make_tensors, reference_forward, reference_grads
+from helpers import (
+    TOL,
+    Case,
+    assert_matches_autograd,
+    assert_per_sample_matches_the_loop,
+    layer_case,
+    make_tensors,
+    reference_forward,
+    reference_grads,
+)
 
 DT = torch.float64
 
@@ -400,25 +409,8 @@ def test_a_module_called_twice_sums_its_calls() -> None:
 
 
 def _check_against_the_loop(model: nn.Module, x: torch.Tensor, norms_only: bool = False) -> cg.PerSampleGrads:
-    """PerSampleGrads over ``model`` (a summed loss) against a loop over single samples: every trainable parameter's
-    per-sample gradients (full mode), the norms and the clipped sum (both modes)."""
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    ref = _model_references(model, x, use_vmap=False)[0]
-    ref = {k: ref[k] for k in params}
-    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
-    model.zero_grad()
-    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
-        _loss(model(x), "sum").backward()
-    if not norms_only:
-        assert_matches_autograd({k: p.grad_sample for k, p in params.items()}, ref, DT, "grad_sample")
-    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
-    model.zero_grad()
-    bound = float(norms.median())
-    psg.clip_and_accumulate(bound)
-    factors = (bound / (norms + 1e-6)).clamp(max=1.0)
-    expected = {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}
-    assert_matches_autograd({k: p.grad for k, p in params.items()}, expected, DT, "clipped sum")
-    return psg
+    """PerSampleGrads over ``model`` (this file's summed loss) against a loop over single samples."""
+    return assert_per_sample_matches_the_loop(model, (x,), lambda out: _loss(out, "sum"), norms_only)
 
 
 @pytest.mark.parametrize("norms_only", [False, True])

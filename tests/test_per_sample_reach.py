@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import convgrad as cg
-from helpers import TOL, assert_matches_autograd
+from helpers import TOL, assert_matches_autograd, assert_per_sample_matches_the_loop, per_sample_loop
 from patterns import Block, LayerNorm2d, LayerScale, LoRALinear, ModulatedConv, ScaledStdConv, TimmLinear, network
 
 DT = torch.float64
@@ -27,34 +27,11 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def _loop(model: nn.Module, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-sample gradients of every trainable parameter, one sample at a time by torch autograd."""
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    rows: dict[str, list[torch.Tensor]] = {k: [] for k in params}
-    for i in range(inputs[0].shape[0]):
-        grads = torch.autograd.grad(_loss(model(*(t[i:i + 1] for t in inputs))), list(params.values()))
-        for k, g in zip(params, grads, strict=True):
-            rows[k].append(g)
-    return {k: torch.stack(v) for k, v in rows.items()}
+    return per_sample_loop(model, _loss, *inputs)
 
 
 def _check(model: nn.Module, inputs: tuple[torch.Tensor, ...], norms_only: bool) -> cg.PerSampleGrads:
-    """grad_sample (full mode), the norms and the clipped sum (both modes) against the loop."""
-    ref = _loop(model, *inputs)
-    norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad()
-    with cg.PerSampleGrads(model, loss_reduction="sum", norms_only=norms_only) as psg:
-        _loss(model(*inputs)).backward()
-    if not norms_only:
-        assert_matches_autograd({k: p.grad_sample for k, p in params.items()}, ref, DT, "grad_sample")
-    torch.testing.assert_close(psg.norms(), norms, **TOL[DT])
-    model.zero_grad()
-    bound = float(norms.median())
-    psg.clip_and_accumulate(bound)
-    factors = (bound / (norms + 1e-6)).clamp(max=1.0)
-    assert_matches_autograd({k: p.grad for k, p in params.items()},
-                            {k: torch.tensordot(factors, g, dims=1) for k, g in ref.items()}, DT, "clipped sum")
-    return psg
+    return assert_per_sample_matches_the_loop(model, inputs, _loss, norms_only)
 
 
 @pytest.mark.parametrize("patched", [False, True])

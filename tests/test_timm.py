@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from torch import nn
 
 import convgrad as cg
 from convgrad.backends import auto
-from helpers import TOL, load_script
+from helpers import TOL, load_script, opacus_private_step, per_sample_loop
 
 timm_models = load_script("timm_models", Path(__file__).resolve().parents[1] / "benchmarks" / "timm_models.py")
 # .ci/run installs timm: its absence there is a failure, not a skip
@@ -99,21 +98,12 @@ def test_patch_reaches_every_conv_call_and_keeps_torchs_gradients(name: str) -> 
         _close(dict(zip(params, grads, strict=True)), expected, f"{name} patched {backend}")
 
 
-def _loop(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    rows: dict[str, list[torch.Tensor]] = {k: [] for k in params}
-    for i in range(x.shape[0]):
-        for k, g in zip(params, torch.autograd.grad(_loss(model(x[i:i + 1])), list(params.values())), strict=True):
-            rows[k].append(g)
-    return {k: torch.stack(v) for k, v in rows.items()}
-
-
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_per_sample_gradients_of_every_parameter_match_the_loop(name: str) -> None:
     torch.manual_seed(0)
     model = _model(name, groupnorm=True)
     x = _input(name)
-    ref = _loop(model, x)
+    ref = per_sample_loop(model, _loss, x)
     norms = torch.cat([g.flatten(1) for g in ref.values()], 1).norm(dim=1)
     bound = float(norms.median())
     expected = {k: torch.tensordot((bound / (norms + 1e-6)).clamp(max=1.0), g, dims=1) for k, g in ref.items()}
@@ -135,8 +125,6 @@ def test_per_sample_gradients_of_every_parameter_match_the_loop(name: str) -> No
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 @pytest.mark.parametrize("name", OPACUS)
 def test_opacus_with_registered_rules_clips_like_the_loop(name: str, mode: str) -> None:
-    from opacus import PrivacyEngine
-
     import convgrad.opacus
 
     torch.manual_seed(0)
@@ -156,21 +144,8 @@ def test_opacus_with_registered_rules_clips_like_the_loop(name: str, mode: str) 
     expected = {k: torch.tensordot((bound / (norms + 1e-6)).clamp(max=1.0), g, dims=1) for k, g in ref.items()}
     convgrad.opacus.register()
     try:
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=3)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            made = PrivacyEngine().make_private(
-                module=model, optimizer=torch.optim.SGD(params.values(), lr=0.0), data_loader=loader,
-                noise_multiplier=0.0, max_grad_norm=bound, poisson_sampling=False, loss_reduction="sum",
-                grad_sample_mode=mode, criterion=loss)
-        gsm, opt, loader = made[0], made[1], made[-1]
-        criterion = made[2] if mode == "ghost" else loss  # ghost wraps the loss for its two backward passes
-        for xb, yb in loader:
-            opt.zero_grad()
-            criterion(gsm(xb), yb).backward()
-            opt.step()
-        _close({k: p.grad for k, p in params.items()}, expected, f"{name} Opacus {mode}")
-        gsm._close()
+        got = opacus_private_step(model, x, y, mode, bound)
+        _close(got, expected, f"{name} Opacus {mode}")
     finally:
         convgrad.opacus.unregister()
 

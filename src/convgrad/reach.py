@@ -135,6 +135,12 @@ class ReachMode(TorchFunctionMode):
         ``backend``: the convgrad backend ``forward`` runs the call with, or None for torch's own function."""
         return forward(call)
 
+    def torch_conv(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """A call of one of ``CONV_FUNCTIONS`` that reached this mode itself (no routing took it): ``conv`` with
+        torch's own function."""
+        call = ConvCall.parse(func, args, kwargs)
+        return self.conv(call, lambda c: c.torch_call(func), None)
+
 
 def top_mode() -> Any:
     """The function mode on top of this thread's stack, or None (cheap: two calls into torch's C++)."""

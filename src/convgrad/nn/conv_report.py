@@ -111,10 +111,7 @@ class _Recorder(ReachMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in CONV_FUNCTIONS:
-            call = ConvCall.parse(func, args, kwargs)
-            return self.conv(call, lambda c: c.torch_call(func), None)
-        return func(*args, **kwargs)
+        return self.torch_conv(func, args, kwargs) if func in CONV_FUNCTIONS else func(*args, **kwargs)
 
 
 def _summary(spec: ConvSpec) -> str:

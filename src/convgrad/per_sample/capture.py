@@ -145,8 +145,7 @@ class Capture(ReachMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in CONV_FUNCTIONS:
-            call = ConvCall.parse(func, args, kwargs)
-            return self.conv(call, lambda c: c.torch_call(func), None)
+            return self.torch_conv(func, args, kwargs)
         rule = FUNCTIONS.get(func)
         if rule is not None:
             return self._layer(func, rule, args, kwargs)
